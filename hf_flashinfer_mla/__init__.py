@@ -1,0 +1,35 @@
+"""MLA decode over the latent cache for Hugging Face Transformers, on FlashInfer's kernels.
+
+    import hf_flashinfer_mla  # registers attn_implementation="flashinfer_mla"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flashinfer_mla", dtype=torch.bfloat16)
+
+Decode steps then attend straight over the cached 512 + 64 latent with the up-projection absorbed into the query,
+instead of re-expanding the whole history into per-head keys and values on every step.
+"""
+
+from .dispatch import BACKENDS, ENV_VAR, choose_backend
+from .errors import BackendUnavailableError, CacheLayoutError, FlashInferMLAError, UnsupportedModelError
+from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES
+from .registration import register
+from .trtllm import multi_ctas_kv_counter_buffer, select_decode_backend, trtllm_gen_supports_num_heads
+
+__version__ = "0.1.0"
+
+register()
+
+__all__ = [
+    "ATTN_NAME",
+    "BACKENDS",
+    "DENSE_MLA_MODEL_TYPES",
+    "ENV_VAR",
+    "SPARSE_MLA_MODEL_TYPES",
+    "BackendUnavailableError",
+    "CacheLayoutError",
+    "FlashInferMLAError",
+    "UnsupportedModelError",
+    "choose_backend",
+    "multi_ctas_kv_counter_buffer",
+    "register",
+    "select_decode_backend",
+    "trtllm_gen_supports_num_heads",
+]

@@ -1,0 +1,48 @@
+"""Device-owned buffers the FlashInfer kernels need, one set per device, allocated on first use.
+
+Both live for the whole process: kernels write scratch into them on every call and a captured CUDA graph keeps
+their addresses, so they are never freed or replaced except to grow. Keeping one per device matters when a model
+is split across GPUs: a kernel must never be handed another device's memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# FlashInfer's documented starting size for the float workspace of its MLA wrappers and trtllm-gen decode.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+_workspaces: dict[torch.device, torch.Tensor] = {}
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _key(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def workspace_buffer(device: torch.device | str) -> torch.Tensor:
+    """The float workspace of `device`: intermediate results of split-KV kernels (zeroed once, trtllm-gen
+    keeps semaphores in it)."""
+    device = _key(device)
+    if device not in _workspaces:
+        _workspaces[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _workspaces[device]
+
+
+def multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device | str) -> torch.Tensor:
+    """The zero-initialised ``uint8`` semaphore buffer trtllm-gen's multi-CTA KV split counts in, on `device`.
+
+    The kernel resets every counter it used before it exits, so the buffer is zeroed once at allocation and then
+    reused by every launch on that device (FlashInfer's functional entry point would otherwise allocate and zero a
+    new one per call). Size it with ``flashinfer.utils.get_trtllm_gen_multi_ctas_kv_counter_bytes`` for the
+    worst-case batch; it is replaced by a larger zeroed buffer only when more bytes are asked for.
+    """
+    device = _key(device)
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < min_bytes:
+        buf = torch.zeros(max(int(min_bytes), 1), dtype=torch.uint8, device=device)
+        _counters[device] = buf
+    return buf

@@ -1,0 +1,97 @@
+"""Hopper and Ampere decode: FlashInfer's ``BatchMLAPagedAttentionWrapper`` with the fa3 (SM90) or fa2 (SM80+) kernel.
+
+The wrapper reads the cache through a page table. With a page size of 1 the "pages" are the cache's own rows,
+so any layout Transformers keeps (DynamicCache, StaticCache with its unfilled tail, this package's
+`MLALatentCache`) is read in place: row ``b * pitch + j`` is token ``j`` of sequence ``b``, and only the
+positions the step's mask marks valid are listed, which is how left padding and the static cache's unfilled
+tail are skipped. Nothing of the history is copied.
+
+Planning (host-side work, milliseconds) happens once per step and device, at the first layer, through the
+step's `StepPlan`; every layer then only runs the kernel. One wrapper per device, backend, head count and dtype
+is kept for the process, so its internal integer workspace is allocated once, not per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buffers import workspace_buffer
+from .metadata import StepPlan
+
+_wrappers: dict[tuple, object] = {}
+
+
+def _wrapper(device: torch.device, backend: str, num_heads: int, dtype: torch.dtype):
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    key = (device, backend, num_heads, dtype)
+    if key not in _wrappers:
+        _wrappers[key] = BatchMLAPagedAttentionWrapper(workspace_buffer(device), backend=backend)
+    return _wrappers[key]
+
+
+def cache_rows(latent: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``[B, 1, S, D]`` cache view -> (``[rows, 1, D]`` view of its storage, pitch in rows between sequences)."""
+    if latent.stride(-1) != 1:
+        raise ValueError("the latent cache must be contiguous in its last dimension")
+    row = latent.stride(2)
+    if latent.stride(0) % row:
+        raise ValueError(f"cache batch stride {latent.stride(0)} is not a whole number of rows of {row}")
+    pitch = latent.stride(0) // row if latent.shape[0] > 1 else latent.shape[2]
+    rows = (latent.shape[0] - 1) * pitch + latent.shape[2]
+    return latent.as_strided((rows, 1, latent.shape[-1]), (row, row, 1), latent.storage_offset()), pitch
+
+
+def csr_metadata(valid: torch.Tensor, pitch: int, q_len: int):
+    """Page-size-1 CSR metadata for the positions marked in ``valid [B, S]``."""
+    b = valid.shape[0]
+    lens = valid.sum(-1, dtype=torch.int32)
+    batch_idx, pos = valid.nonzero(as_tuple=True)
+    kv_indices = (batch_idx * pitch + pos).to(torch.int32)
+    kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=valid.device)
+    kv_indptr[1:] = lens.cumsum(0)
+    qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=valid.device) * q_len
+    return qo_indptr, kv_indptr, kv_indices, lens
+
+
+def _planned(backend, plan: StepPlan, device, pitch, num_heads, dtype, rank, rope, scale):
+    from flashinfer.mla import MLAPlanMetadata
+
+    wrapper = _wrapper(device, backend, num_heads, dtype)
+    qo_indptr, kv_indptr, kv_indices, lens = csr_metadata(plan.kv_valid(device), pitch, plan.q_len)
+    wrapper.plan(
+        metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, lens),
+        num_heads=num_heads,
+        head_dim_ckv=rank,
+        head_dim_kpe=rope,
+        page_size=1,
+        causal=plan.q_len > 1,
+        sm_scale=scale,
+        q_data_type=dtype,
+        kv_data_type=dtype,
+        query_layout="split",
+        kv_cache_layout="split",
+    )
+    return wrapper
+
+
+def fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale):
+    """``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output on fa3 or fa2."""
+    b, h, sq, rank = q_lat.shape
+    rope = q_pe.shape[-1]
+    device = q_lat.device
+    ckv, pitch = cache_rows(kv_latent)
+    kpe, kpe_pitch = cache_rows(k_rot)
+    if kpe_pitch != pitch:
+        raise ValueError(f"latent and rope caches disagree on the row pitch ({pitch} vs {kpe_pitch})")
+    key = ("fa", backend, device, pitch, h, q_lat.dtype, scale)
+    wrapper = plan.state(key, lambda: _planned(backend, plan, device, pitch, h, q_lat.dtype, rank, rope, scale))
+    # The wrapper is shared by all steps on this device; if another step planned it meanwhile, plan again.
+    if getattr(wrapper, "_hf_mla_plan_key", None) != (id(plan), key):
+        if getattr(wrapper, "_hf_mla_plan_key", None) is not None:
+            _planned(backend, plan, device, pitch, h, q_lat.dtype, rank, rope, scale)
+        wrapper._hf_mla_plan_key = (id(plan), key)
+    q_nope_lat = q_lat.transpose(1, 2).reshape(b * sq, h, rank)
+    q_rope = q_pe.transpose(1, 2).reshape(b * sq, h, rope)
+    out = wrapper.run(query=(q_nope_lat, q_rope), kv_cache=(ckv, kpe))  # [B*Sq, H, L]
+    return out.view(b, sq, h, rank).transpose(1, 2)

@@ -1,0 +1,119 @@
+"""Which Transformers models can run ``flashinfer_mla``, and the one hook this package puts into them.
+
+Every dense MLA attention class in Transformers (>= 5.15) caches the compressed latent and only afterwards calls
+``self.expand_kv(kv_nope, k_rot)``, which pushes the *whole* cached history through ``kv_b_proj`` on every step.
+When a model runs ``flashinfer_mla`` that call is made to hand back the latent unchanged; the attention function
+(``attention.py``) then decides per step whether to expand it once (prefill) or to attend over it directly
+(absorbed decode). With any other attention implementation the original ``expand_kv`` runs untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+from torch import nn
+
+from .errors import UnsupportedModelError
+
+ATTN_NAME = "flashinfer_mla"
+
+# Dense MLA model types: their attention classes call `expand_kv` and then the attention interface with the
+# standard arguments, so absorbing `kv_b_proj` into the query is exact.
+DENSE_MLA_MODEL_TYPES = (
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "minicpm3",
+    "mistral4",
+    "longcat_flash",
+    "youtu",
+    "kimi_linear",
+    "axk1",
+    "bailing_hybrid",
+)
+
+# MLA with DeepSeek Sparse Attention (DSA): the attention sees a per-query top-k subset of the cache, chosen by an
+# indexer after `expand_kv`. That is a different kernel problem (FlashMLA sparse); refused rather than run densely.
+SPARSE_MLA_MODEL_TYPES = (
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "glm5_next",
+    "hy_v4",
+    "hy_v4_vl",
+    "axk2",
+    "mistral_large4",
+    "dots3_note",
+)
+
+
+def _supported_list() -> str:
+    return ", ".join(DENSE_MLA_MODEL_TYPES)
+
+
+def check_model_supported(config) -> None:
+    """Raise `UnsupportedModelError` unless `config` describes a dense MLA model.
+
+    Called at load time (``from_pretrained``/``from_config``/``set_attn_implementation``), so an unsupported model
+    fails before any weight is read rather than giving a wrong answer later.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type in SPARSE_MLA_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f'attn_implementation="{ATTN_NAME}" does not support model_type "{model_type}": it uses DeepSeek Sparse '
+            f"Attention (DSA), which attends to an indexer-selected subset of the cache. Load it with "
+            f'attn_implementation="sdpa" or "eager". Supported (dense MLA) model types: {_supported_list()}.'
+        )
+    if model_type not in DENSE_MLA_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f'attn_implementation="{ATTN_NAME}" needs a Multi-head Latent Attention model; model_type '
+            f'"{model_type}" is not one. Load it with attn_implementation="sdpa" (or "eager"). '
+            f"Supported model types: {_supported_list()}."
+        )
+
+
+def is_mla_attention(module: nn.Module) -> bool:
+    """True for an MLA attention module of a supported model (it owns `kv_b_proj` and `expand_kv`)."""
+    return hasattr(module, "kv_b_proj") and hasattr(module, "expand_kv") and not hasattr(module, "indexer")
+
+
+def original_expand_kv(module: nn.Module):
+    """The model's own `expand_kv`, bound to `module`, bypassing this package's hook (used for prefill)."""
+    fn = type(module).expand_kv
+    return functools.partial(getattr(fn, "__wrapped__", fn), module)
+
+
+def _latent_passthrough(expand_kv):
+    @functools.wraps(expand_kv)
+    def expand_kv_or_pass_latent(self, kv_nope, k_rot):
+        # Under flashinfer_mla the attention function receives the cached latent itself (key=kv_nope,
+        # value=k_rot) and expands it only where it has to (prefill). Other implementations are untouched.
+        if self.config._attn_implementation == ATTN_NAME:
+            return kv_nope, k_rot
+        return expand_kv(self, kv_nope, k_rot)
+
+    expand_kv_or_pass_latent._flashinfer_mla_hook = True
+    return expand_kv_or_pass_latent
+
+
+def install_latent_hook(model_class: type) -> list[type]:
+    """Wrap `expand_kv` of every MLA attention class in `model_class`'s modeling module (idempotent).
+
+    Returns the attention classes that carry the hook.
+    """
+    module = importlib.import_module(model_class.__module__)
+    hooked = []
+    for _, cls in inspect.getmembers(module, inspect.isclass):
+        if not (issubclass(cls, nn.Module) and "expand_kv" in vars(cls)):
+            continue
+        if not getattr(cls.expand_kv, "_flashinfer_mla_hook", False):
+            cls.expand_kv = _latent_passthrough(cls.expand_kv)
+        hooked.append(cls)
+    if not hooked:
+        raise UnsupportedModelError(
+            f"{model_class.__name__} (module {model_class.__module__}) defines no MLA attention class with "
+            f"`expand_kv`; this Transformers version may predate the latent cache (needs >= 5.15). "
+            f"Supported model types: {_supported_list()}."
+        )
+    return hooked

@@ -1,0 +1,82 @@
+"""Registration with Transformers: the attention function, its mask function, and the load-time model check.
+
+Transformers looks attention implementations up by name in two registries: ``AttentionInterface`` (the function
+each attention module calls) and ``AttentionMaskInterface`` (the function that builds the step's mask). A name
+missing from the second makes mask creation return ``None``, i.e. padding is silently lost, so both are
+registered.
+
+Transformers has no hook to validate a custom implementation against a model, and it treats every name containing
+"flash" as a flash-attention kernel to import from the Hub. So ``PreTrainedModel._check_and_adjust_attn_implementation``
+(which ``from_pretrained``, ``from_config`` and ``set_attn_implementation`` all go through) is wrapped once: for
+``"flashinfer_mla"`` it refuses non-MLA models, hooks ``expand_kv`` and skips the Hub lookup; any other name goes
+to Transformers' own check untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+
+from .attention import MAX_DECODE_QUERY, flashinfer_mla_attention_forward
+from .metadata import attach_plan
+from .models import ATTN_NAME, check_model_supported, install_latent_hook
+
+
+def flashinfer_mla_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The step's mask, as SDPA's boolean mask; for decode steps it is always materialised and planned.
+
+    This is the once-per-step point: Transformers calls it once per forward (or, with a static cache, once per
+    step in ``prepare_inputs_for_generation``, outside any compiled region), and the `StepPlan` attached here is
+    shared by every layer.
+    """
+    decode = q_length <= MAX_DECODE_QUERY
+    mask = sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=allow_is_causal_skip and not decode,
+        **kwargs,
+    )
+    if decode and mask is not None and not torch.compiler.is_compiling():
+        mask = mask.contiguous()
+        attach_plan(mask)
+    return mask
+
+
+def _checked(original):
+    @functools.wraps(original)
+    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
+        if attn_implementation != ATTN_NAME:
+            return original(self, attn_implementation, is_init_check, **kwargs)
+        check_model_supported(self.config)
+        install_latent_hook(type(self))
+        return ATTN_NAME
+
+    _check_and_adjust_attn_implementation._flashinfer_mla_check = True
+    return _check_and_adjust_attn_implementation
+
+
+def register() -> None:
+    """Register ``"flashinfer_mla"`` with Transformers. Importing the package does this; calling it again is a no-op."""
+    AttentionInterface.register(ATTN_NAME, flashinfer_mla_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, flashinfer_mla_mask)
+    current = PreTrainedModel._check_and_adjust_attn_implementation
+    if not getattr(current, "_flashinfer_mla_check", False):
+        PreTrainedModel._check_and_adjust_attn_implementation = _checked(current)
