@@ -7,6 +7,7 @@ Decode steps then attend straight over the cached 512 + 64 latent with the up-pr
 instead of re-expanding the whole history into per-head keys and values on every step.
 """
 
+from .cache import MLALatentCache, MLALatentLayer
 from .dispatch import BACKENDS, ENV_VAR, choose_backend
 from .errors import BackendUnavailableError, CacheLayoutError, FlashInferMLAError, UnsupportedModelError
 from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES
@@ -26,6 +27,8 @@ __all__ = [
     "BackendUnavailableError",
     "CacheLayoutError",
     "FlashInferMLAError",
+    "MLALatentCache",
+    "MLALatentLayer",
     "UnsupportedModelError",
     "choose_backend",
     "multi_ctas_kv_counter_buffer",

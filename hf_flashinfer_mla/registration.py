@@ -9,7 +9,7 @@ Transformers has no hook to validate a custom implementation against a model, an
 "flash" as a flash-attention kernel to import from the Hub. So ``PreTrainedModel._check_and_adjust_attn_implementation``
 (which ``from_pretrained``, ``from_config`` and ``set_attn_implementation`` all go through) is wrapped once: for
 ``"flashinfer_mla"`` it refuses non-MLA models, hooks ``expand_kv`` and skips the Hub lookup; any other name goes
-to Transformers' own check untouched.
+to Transformers' own check untouched. Finally ``generate()``'s default cache gets this package's latent layers.
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, PreTrainedModel
+from transformers.generation.utils import GenerationMixin
+from transformers.utils.generic import TransformersKwargs
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from .attention import MAX_DECODE_QUERY, flashinfer_mla_attention_forward
+from .cache import adopt_latent_layers
 from .metadata import attach_plan
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
 
@@ -73,6 +76,25 @@ def _checked(original):
     return _check_and_adjust_attn_implementation
 
 
+def _latent_cache_by_default(original):
+    # generate() builds `DynamicCache(config=...)` itself; for flashinfer_mla models its full-attention layers are
+    # swapped for `MLALatentLayer` (no per-step history copy). A cache the user passed is left as it is.
+    @functools.wraps(original)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("cache")
+        if (
+            type(cache) is DynamicCache
+            and not getattr(cache, "_is_user_defined", False)
+            and self.config.get_text_config(decoder=True)._attn_implementation == ATTN_NAME
+        ):
+            adopt_latent_layers(cache)
+        return result
+
+    _prepare_cache_for_generation._flashinfer_mla_cache = True
+    return _prepare_cache_for_generation
+
+
 def register() -> None:
     """Register ``"flashinfer_mla"`` with Transformers. Importing the package does this; calling it again is a no-op."""
     AttentionInterface.register(ATTN_NAME, flashinfer_mla_attention_forward)
@@ -80,3 +102,14 @@ def register() -> None:
     current = PreTrainedModel._check_and_adjust_attn_implementation
     if not getattr(current, "_flashinfer_mla_check", False):
         PreTrainedModel._check_and_adjust_attn_implementation = _checked(current)
+    # `from_pretrained(..., mla_backend="fa2")` hands a keyword to the config only if the config class has that
+    # attribute; a class-level default of None makes the keyword land on (and be saved with) the config.
+    if not hasattr(PreTrainedConfig, "mla_backend"):
+        PreTrainedConfig.mla_backend = None
+    # `generate(..., mla_backend=...)` forwards the keyword to every attention call, but generate() first rejects
+    # keywords that are neither in forward's signature nor declared model-agnostic attention kwargs: declare it.
+    if "mla_backend" not in TransformersKwargs.__optional_keys__:
+        TransformersKwargs.__optional_keys__ = frozenset(TransformersKwargs.__optional_keys__ | {"mla_backend"})
+    prepare = GenerationMixin._prepare_cache_for_generation
+    if not getattr(prepare, "_flashinfer_mla_cache", False):
+        GenerationMixin._prepare_cache_for_generation = _latent_cache_by_default(prepare)

@@ -1,0 +1,89 @@
+"""Small random MLA models built from configs (no download), and the eager oracle helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import hf_flashinfer_mla  # noqa: F401  (registers "flashinfer_mla")
+
+VOCAB = 97
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    pad_token_id=0,
+    bos_token_id=None,
+)
+_MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1)
+
+# model_type -> (config class, kwargs). The attention dims are small but keep each family's structure: V2 without
+# q_lora; V3 with q_lora, interleaved rope and YaRN scaling (which changes the softmax scale); GLM-4.7-Flash
+# (glm4_moe_lite) with v_head_dim != qk_nope_head_dim; MiniCPM3 with its own latent/rope widths.
+CONFIGS = {
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(**_COMMON, **_MOE, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+             qk_nope_head_dim=16, v_head_dim=16),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(**_COMMON, **_MOE, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+             qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True,
+             rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                           "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    ),
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        dict(**_COMMON, **{k: v for k, v in _MOE.items()}, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+             qk_nope_head_dim=24, v_head_dim=16),
+    ),
+    "minicpm3": (
+        "MiniCPM3Config",
+        dict(**_COMMON, kv_lora_rank=24, q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=12),
+    ),
+}
+
+
+def make_config(model_type: str, **overrides):
+    cls_name, kwargs = CONFIGS[model_type]
+    config = getattr(transformers, cls_name)(**{**kwargs, **overrides})
+    return config
+
+
+def make_model(model_type: str, attn: str = "flashinfer_mla", dtype=torch.float64, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config = make_config(model_type, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn, experts_implementation="eager", dtype=dtype
+    )
+    return model.eval()
+
+
+def left_padded_batch(seed: int = 1, lengths=(7, 4, 9)):
+    """Token ids [B, max_len] left-padded with 0, their mask, and the unpadded prompts."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    return ids, mask, prompts
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(params=list(CONFIGS))
+def model_type(request):
+    return request.param

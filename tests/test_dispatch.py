@@ -1,0 +1,338 @@
+"""Backend selection (`hf_flashinfer_mla.dispatch`) with the compute-capability query substituted: no CUDA call."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_flashinfer_mla
+from hf_flashinfer_mla import BackendUnavailableError, dispatch, trtllm
+from hf_flashinfer_mla.dispatch import ENV_VAR, choose_backend, requested_backend
+
+GPU = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+RANK, ROPE = 512, 64
+
+# Import flashinfer once, before any test patches CUDA queries, so that the cached import check reflects this
+# environment (flashinfer imports on a CPU-only machine).
+assert dispatch._flashinfer_import_error() is None
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    dispatch._warn_once.cache_clear()
+    dispatch._log_choice.cache_clear()
+    trtllm._warn_cute_dsl.cache_clear()
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    yield
+    dispatch._warn_once.cache_clear()
+    dispatch._log_choice.cache_clear()
+    trtllm._warn_cute_dsl.cache_clear()
+
+
+@pytest.fixture
+def capability(monkeypatch):
+    """`capability((9, 0))` makes every device report that compute capability (None: not a GPU)."""
+    calls = []
+
+    def set_cc(cc):
+        def fake(device):
+            calls.append(device)
+            return cc
+
+        monkeypatch.setattr(dispatch, "device_capability", fake)
+        return calls
+
+    return set_cc
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """Any real CUDA query fails the test: the substituted capability function must be the only source."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a CUDA query was made although device_capability is substituted")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", boom)
+    monkeypatch.setattr(torch.cuda, "current_device", boom)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", boom)
+
+
+def warnings_of(caplog):
+    return [r for r in caplog.records if r.name == "hf_flashinfer_mla" and r.levelno >= logging.WARNING]
+
+
+# ---------------------------------------------------------------------------------------------------- auto
+
+
+@pytest.mark.parametrize(
+    "cc, heads, expected",
+    [
+        ((9, 0), 128, "fa3"),
+        ((9, 0), 16, "fa3"),
+        ((8, 0), 128, "fa2"),
+        ((8, 9), 128, "fa2"),
+        ((8, 6), 16, "fa2"),
+        ((12, 0), 128, "fa2"),
+        ((10, 0), 128, "trtllm-gen"),
+        ((10, 0), 16, "trtllm-gen"),
+        ((10, 3), 128, "trtllm-gen"),
+        ((10, 3), 16, "trtllm-gen"),
+        ((10, 0), 96, "cute-dsl"),
+        ((10, 0), 24, "cute-dsl"),
+        ((10, 3), 96, "cute-dsl"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_auto_picks_kernel_for_gpu(capability, no_cuda, caplog, cc, heads, expected, dtype):
+    calls = capability(cc)
+    caplog.set_level(logging.DEBUG, logger="hf_flashinfer_mla")
+    assert choose_backend(GPU, dtype, RANK, ROPE, heads) == expected
+    assert calls and all(d == GPU for d in calls)
+    # A kernel was found: no fallback warning (only the cute-dsl routing note on untileable head counts).
+    msgs = [r.getMessage() for r in warnings_of(caplog)]
+    assert not any("reference" in m for m in msgs)
+    if expected == "cute-dsl":
+        assert len(msgs) == 1 and f"{heads} query heads" in msgs[0]
+    else:
+        assert msgs == []
+
+
+def test_auto_explicit_requested_auto_equals_default(capability, no_cuda):
+    capability((9, 0))
+    assert choose_backend(GPU, BF16, RANK, ROPE, 128, requested="auto") == "fa3"
+
+
+def _assert_reference_warns_once(caplog, call, *reason_parts):
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    assert call() == "reference"
+    warns = warnings_of(caplog)
+    assert len(warns) == 1, [r.getMessage() for r in warns]
+    msg = warns[0].getMessage()
+    assert "reference" in msg
+    for part in reason_parts:
+        assert part in msg, msg
+    caplog.clear()
+    assert call() == "reference"
+    assert warnings_of(caplog) == [], "the fallback warning must be emitted once only"
+
+
+def test_auto_cpu_falls_back_to_reference(capability, no_cuda, caplog):
+    capability(None)
+    _assert_reference_warns_once(caplog, lambda: choose_backend(CPU, BF16, RANK, ROPE, 128), "cpu")
+
+
+def test_auto_cpu_with_real_capability_function(caplog, no_cuda):
+    # The real device_capability must answer None for a CPU device without touching CUDA.
+    assert dispatch.device_capability(CPU) is None
+    _assert_reference_warns_once(caplog, lambda: choose_backend(CPU, torch.float32, 64, 16, 4), "cpu")
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (8, 0), (8, 9), (10, 0), (12, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_auto_float_dtype_falls_back(capability, no_cuda, caplog, cc, dtype):
+    capability(cc)
+    _assert_reference_warns_once(
+        caplog, lambda: choose_backend(GPU, dtype, RANK, ROPE, 128), str(dtype), "bfloat16 or float16"
+    )
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (8, 0), (10, 0)])
+def test_auto_minicpm3_dims_fall_back(capability, no_cuda, caplog, cc):
+    capability(cc)
+    _assert_reference_warns_once(
+        caplog, lambda: choose_backend(GPU, BF16, 256, 32, 40), "256 + 32", "kv_lora_rank 512"
+    )
+
+
+def test_auto_old_gpu_falls_back(capability, no_cuda, caplog):
+    capability((7, 5))
+    _assert_reference_warns_once(caplog, lambda: choose_backend(GPU, BF16, RANK, ROPE, 128), "7.5")
+
+
+def test_fallback_warning_per_distinct_reason(capability, no_cuda, caplog):
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    capability((9, 0))
+    assert choose_backend(GPU, torch.float32, RANK, ROPE, 128) == "reference"
+    assert choose_backend(GPU, BF16, 256, 32, 128) == "reference"
+    assert choose_backend(GPU, torch.float32, RANK, ROPE, 128) == "reference"
+    msgs = [r.getMessage() for r in warnings_of(caplog)]
+    assert len(msgs) == 2
+    assert "float32" in msgs[0] and "256 + 32" in msgs[1]
+
+
+# ---------------------------------------------------------------------------------------------------- forced
+
+
+@pytest.mark.parametrize(
+    "backend, cc, dtype, rank, rope, heads, fragments",
+    [
+        ("fa3", (8, 0), BF16, RANK, ROPE, 128, ["fa3", "Hopper", "8.0"]),
+        ("fa3", (10, 0), BF16, RANK, ROPE, 128, ["fa3", "10.0"]),
+        ("fa3", (12, 0), BF16, RANK, ROPE, 128, ["fa3", "12.0"]),
+        ("fa2", (7, 5), BF16, RANK, ROPE, 128, ["fa2", "8.0 or newer", "7.5"]),
+        ("fa2", (9, 0), torch.float32, RANK, ROPE, 128, ["float32", "bfloat16 or float16"]),
+        ("fa3", (9, 0), torch.float64, RANK, ROPE, 128, ["float64"]),
+        ("fa2", (8, 0), BF16, 256, 32, 40, ["256 + 32"]),
+        ("trtllm-gen", (9, 0), BF16, RANK, ROPE, 128, ["trtllm-gen", "SM100/SM103", "9.0"]),
+        ("trtllm-gen", (12, 0), BF16, RANK, ROPE, 128, ["trtllm-gen", "12.0"]),
+        ("cute-dsl", (9, 0), BF16, RANK, ROPE, 128, ["cute-dsl", "SM100/SM103", "9.0"]),
+        ("cute-dsl", (8, 0), BF16, RANK, ROPE, 96, ["cute-dsl", "8.0"]),
+        ("trtllm-gen", (10, 0), BF16, RANK, ROPE, 96, ["cannot tile 96 heads", "cute-dsl"]),
+        ("trtllm-gen", (10, 3), BF16, RANK, ROPE, 24, ["cannot tile 24 heads"]),
+        ("trtllm-gen", (10, 0), torch.float32, RANK, ROPE, 128, ["float32"]),
+    ],
+)
+def test_forced_backend_that_cannot_run_raises(capability, no_cuda, backend, cc, dtype, rank, rope, heads, fragments):
+    capability(cc)
+    with pytest.raises(BackendUnavailableError) as info:
+        choose_backend(GPU, dtype, rank, rope, heads, requested=backend)
+    msg = str(info.value)
+    assert repr(backend) in msg
+    for fragment in fragments:
+        assert fragment in msg, msg
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2", "trtllm-gen", "cute-dsl"])
+def test_forced_kernel_on_cpu_raises(capability, no_cuda, backend):
+    capability(None)
+    with pytest.raises(BackendUnavailableError, match="NVIDIA GPU.*cpu"):
+        choose_backend(CPU, BF16, RANK, ROPE, 128, requested=backend)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2", "trtllm-gen", "cute-dsl"])
+def test_forced_kernel_on_cpu_with_real_capability_function_raises(no_cuda, backend):
+    with pytest.raises(BackendUnavailableError, match="cpu"):
+        choose_backend(CPU, BF16, RANK, ROPE, 128, requested=backend)
+
+
+def test_backend_unavailable_error_is_value_error():
+    assert issubclass(BackendUnavailableError, hf_flashinfer_mla.FlashInferMLAError)
+    assert issubclass(BackendUnavailableError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "backend, cc, heads",
+    [
+        ("fa3", (9, 0), 128),
+        ("fa2", (9, 0), 128),
+        ("fa2", (8, 0), 16),
+        ("fa2", (8, 9), 128),
+        ("fa2", (12, 0), 128),
+        ("fa2", (10, 0), 128),
+        ("trtllm-gen", (10, 0), 128),
+        ("trtllm-gen", (10, 3), 16),
+        ("cute-dsl", (10, 0), 96),
+        ("cute-dsl", (10, 3), 128),
+    ],
+)
+def test_forced_backend_that_can_run(capability, no_cuda, caplog, backend, cc, heads):
+    capability(cc)
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    assert choose_backend(GPU, BF16, RANK, ROPE, heads, requested=backend) == backend
+    assert warnings_of(caplog) == []
+
+
+@pytest.mark.parametrize(
+    "device, cc, dtype, rank, rope, heads",
+    [
+        (CPU, None, torch.float32, 64, 16, 4),
+        (CPU, None, BF16, RANK, ROPE, 128),
+        (GPU, (7, 5), torch.float64, RANK, ROPE, 128),
+        (GPU, (9, 0), BF16, 256, 32, 40),
+        (GPU, (10, 0), BF16, RANK, ROPE, 96),
+        (GPU, (8, 0), torch.float32, RANK, ROPE, 128),
+    ],
+)
+def test_forced_reference_always_works(capability, no_cuda, caplog, device, cc, dtype, rank, rope, heads):
+    capability(cc)
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    assert choose_backend(device, dtype, rank, rope, heads, requested="reference") == "reference"
+    assert warnings_of(caplog) == [], "forcing reference is not a fallback and must not warn"
+
+
+@pytest.mark.parametrize("name", ["fa4", "FA3", "trtllm", "flashinfer", "ref", ""])
+def test_unknown_backend_name_raises(capability, no_cuda, name):
+    capability((9, 0))
+    with pytest.raises(BackendUnavailableError, match="unknown flashinfer_mla backend"):
+        choose_backend(GPU, BF16, RANK, ROPE, 128, requested=name)
+
+
+def test_backend_list():
+    assert set(hf_flashinfer_mla.BACKENDS) == {"auto", "reference", "fa3", "fa2", "trtllm-gen", "cute-dsl"}
+    assert hf_flashinfer_mla.ENV_VAR == "HF_FLASHINFER_MLA_BACKEND"
+
+
+# ---------------------------------------------------------------------------------------------------- precedence
+
+
+class _Config:
+    def __init__(self, mla_backend=None):
+        if mla_backend is not None:
+            self.mla_backend = mla_backend
+
+
+def test_requested_default_is_auto():
+    assert requested_backend() == "auto"
+    assert requested_backend(None, None) == "auto"
+    assert requested_backend(None, _Config()) == "auto"
+
+
+def test_requested_env_var(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "fa2")
+    assert requested_backend() == "fa2"
+    assert requested_backend(None, _Config()) == "fa2"
+
+
+def test_requested_config_beats_env(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "fa2")
+    assert requested_backend(None, _Config("reference")) == "reference"
+
+
+def test_requested_call_beats_config_and_env(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "fa2")
+    assert requested_backend("trtllm-gen", _Config("reference")) == "trtllm-gen"
+    assert requested_backend("cute-dsl", None) == "cute-dsl"
+
+
+def test_requested_call_beats_config_without_env():
+    assert requested_backend("fa3", _Config("fa2")) == "fa3"
+    assert requested_backend(None, _Config("fa2")) == "fa2"
+
+
+def test_requested_config_none_attribute_falls_through(monkeypatch):
+    cfg = _Config()
+    cfg.mla_backend = None
+    monkeypatch.setenv(ENV_VAR, "reference")
+    assert requested_backend(None, cfg) == "reference"
+
+
+def test_requested_explicit_auto_from_call(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "fa2")
+    assert requested_backend("auto", _Config("fa3")) == "auto"
+
+
+@pytest.mark.parametrize("source", ["call", "config", "env"])
+def test_requested_unknown_raises(monkeypatch, source):
+    if source == "env":
+        monkeypatch.setenv(ENV_VAR, "fa4")
+        args = (None, None)
+    elif source == "config":
+        args = (None, _Config("fa4"))
+    else:
+        args = ("fa4", None)
+    with pytest.raises(BackendUnavailableError, match="'fa4'"):
+        requested_backend(*args)
+
+
+def test_requested_then_choose_env_forced_unavailable(capability, no_cuda, monkeypatch):
+    """The forced env value reaches choose_backend and raises there when it cannot run."""
+    capability((8, 0))
+    monkeypatch.setenv(ENV_VAR, "fa3")
+    with pytest.raises(BackendUnavailableError, match="fa3"):
+        choose_backend(GPU, BF16, RANK, ROPE, 128, requested=requested_backend())
+    # ... and the call-time value overrides it.
+    assert choose_backend(GPU, BF16, RANK, ROPE, 128, requested=requested_backend("fa2")) == "fa2"

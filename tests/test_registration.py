@@ -1,0 +1,157 @@
+"""Registration, switching implementations, backend forcing, absorption bookkeeping and the documented errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import VOCAB, left_padded_batch, make_model, rel_err
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+import hf_flashinfer_mla
+from hf_flashinfer_mla import absorption, attention
+from hf_flashinfer_mla.errors import BackendUnavailableError, CacheLayoutError, UnsupportedModelError
+
+
+def _logits(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask).logits
+
+
+def _decode_logits(model, steps=3, **kwargs):
+    # Unpadded: eager in float64 turns the fully masked rows of a left-padded prefill into NaN (see shared NOTES).
+    ids, mask, _ = left_padded_batch(lengths=(5, 5))
+    out = model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config), use_cache=True)
+    logits = []
+    for _ in range(steps):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, cache=out.cache, use_cache=True,
+                    **kwargs)
+        logits.append(out.logits)
+    return torch.cat(logits, 1)
+
+
+def test_import_registers_attention_and_mask_functions():
+    assert AttentionInterface._global_mapping["flashinfer_mla"] is attention.flashinfer_mla_attention_forward
+    assert "flashinfer_mla" in AttentionMaskInterface._global_mapping
+
+
+def test_register_is_idempotent():
+    before = PreTrainedModel._check_and_adjust_attn_implementation
+    hf_flashinfer_mla.register()
+    hf_flashinfer_mla.register()
+    after = PreTrainedModel._check_and_adjust_attn_implementation
+    assert after is before
+    assert not getattr(after.__wrapped__, "_flashinfer_mla_check", False)  # wrapped exactly once
+    make_model("deepseek_v3")
+    make_model("deepseek_v3")
+    expand_kv = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention.expand_kv
+    assert expand_kv._flashinfer_mla_hook and not hasattr(expand_kv.__wrapped__, "_flashinfer_mla_hook")
+
+
+def test_switching_back_and_forth_gives_each_implementations_own_result():
+    model = make_model("deepseek_v2")
+    results = {}
+    for attn in ["eager", "flashinfer_mla", "sdpa", "eager", "flashinfer_mla", "sdpa"]:
+        model.set_attn_implementation(attn)
+        assert model.config._attn_implementation == attn
+        results.setdefault(attn, []).append(_decode_logits(model))
+    for attn, (first, second) in results.items():
+        assert torch.equal(first, second), attn
+    # They agree with each other only to rounding (different arithmetic), and the expanded path is really back:
+    assert rel_err(results["flashinfer_mla"][0], results["eager"][0]) < 1e-6
+    assert not torch.equal(results["flashinfer_mla"][0], results["eager"][0])
+
+
+def test_from_pretrained_and_backend_keyword(tmp_path):
+    make_model("deepseek_v3").save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="flashinfer_mla", mla_backend="reference", dtype=torch.float64,
+        experts_implementation="eager",
+    )
+    assert model.config._attn_implementation == "flashinfer_mla"
+    assert model.config.mla_backend == "reference"
+    eager = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float64, experts_implementation="eager"
+    )
+    assert rel_err(_decode_logits(model), _decode_logits(eager)) < 1e-6
+
+
+def test_unsupported_models_are_refused_at_load_time():
+    llama = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=4)
+    with pytest.raises(UnsupportedModelError, match="not one.*Supported model types: deepseek_v2"):
+        transformers.AutoModelForCausalLM.from_config(llama, attn_implementation="flashinfer_mla")
+    model = transformers.AutoModelForCausalLM.from_config(llama, attn_implementation="eager")
+    with pytest.raises(UnsupportedModelError):
+        model.set_attn_implementation("flashinfer_mla")
+    assert model.config._attn_implementation == "eager"
+
+    dsa = transformers.DeepseekV32Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1)
+    with pytest.raises(UnsupportedModelError, match="Sparse Attention"):
+        transformers.AutoModelForCausalLM.from_config(dsa, attn_implementation="flashinfer_mla")
+
+
+def test_forcing_an_impossible_backend_is_a_clear_error(monkeypatch):
+    model = make_model("deepseek_v3")
+    with pytest.raises(BackendUnavailableError, match="'fa3'.*NVIDIA GPU"):
+        _decode_logits(model, steps=1, mla_backend="fa3")
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "trtllm-gen")
+    with pytest.raises(BackendUnavailableError, match="trtllm-gen"):
+        _decode_logits(model, steps=1)
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "fa4")
+    with pytest.raises(BackendUnavailableError, match="unknown"):
+        _decode_logits(model, steps=1)
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "reference")
+    ref = _decode_logits(model, steps=2)
+    monkeypatch.delenv("HF_FLASHINFER_MLA_BACKEND")
+    assert torch.equal(ref, _decode_logits(model, steps=2, mla_backend="reference"))
+    # The keyword also travels through generate() to every layer.
+    ids, mask, _ = left_padded_batch(lengths=(4,))
+    with pytest.raises(BackendUnavailableError):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, mla_backend="fa2")
+
+
+def test_cache_that_does_not_hold_the_latent_is_refused():
+    model = make_model("deepseek_v3")
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 1, attn.qk_head_dim, dtype=torch.float64)
+    expanded_k = torch.randn(1, 4, 6, attn.qk_head_dim, dtype=torch.float64)
+    expanded_v = torch.randn(1, 4, 6, attn.v_head_dim, dtype=torch.float64)
+    mask = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    with pytest.raises(CacheLayoutError, match="expects the cache to return the MLA latent"):
+        attention.flashinfer_mla_attention_forward(attn, q, expanded_k, expanded_v, mask, scaling=attn.scaling)
+    latent = torch.randn(1, 1, 6, attn.kv_lora_rank, dtype=torch.float64)
+    rot = torch.randn(1, 1, 6, attn.qk_rope_head_dim, dtype=torch.float64)
+    with pytest.raises(CacheLayoutError, match="continuous batching"):
+        attention.flashinfer_mla_attention_forward(attn, q, latent, rot, None, scaling=attn.scaling)
+    with pytest.raises(UnsupportedModelError):
+        attention.flashinfer_mla_attention_forward(torch.nn.Linear(2, 2), q, latent, rot, mask)
+
+
+def test_absorbed_weights_follow_weight_changes_and_shards():
+    model = make_model("deepseek_v3")
+    attn = model.model.layers[0].self_attn
+    first = absorption.absorbed_weights(attn)
+    assert absorption.absorbed_weights(attn) is first  # derived once
+    ids, mask, _ = left_padded_batch(lengths=(4, 6))
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "kv_b_proj"):
+                m.kv_b_proj.weight.mul_(1.5)
+    assert absorption.absorbed_weights(attn) is not first
+    ours = _decode_logits(model)
+    model.set_attn_implementation("eager")
+    assert rel_err(ours, _decode_logits(model)) < 1e-6
+    # dtype/device moves re-derive too
+    model.set_attn_implementation("flashinfer_mla")
+    model.to(torch.float32)
+    assert absorption.absorbed_weights(attn).w_uk.dtype == torch.float32
+    # A tensor-parallel shard of kv_b_proj (2 of 4 heads): the head count comes from the weight's shape.
+    per_head = attn.qk_nope_head_dim + attn.v_head_dim
+    shard = torch.nn.Module()
+    shard.qk_nope_head_dim, shard.v_head_dim = attn.qk_nope_head_dim, attn.v_head_dim
+    shard.kv_b_proj = torch.nn.Linear(attn.kv_lora_rank, 2 * per_head, bias=False)
+    w = absorption.absorbed_weights(shard)
+    assert w.num_heads == 2 and w.w_uk.shape == (2, attn.qk_nope_head_dim, attn.kv_lora_rank)
+    assert torch.equal(w.w_uv[1], shard.kv_b_proj.weight[per_head + attn.qk_nope_head_dim : 2 * per_head])
