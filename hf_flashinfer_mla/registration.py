@@ -82,7 +82,7 @@ def _latent_cache_by_default(original):
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("cache")
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # renamed in transformers 5.2x
         if (
             type(cache) is DynamicCache
             and not getattr(cache, "_is_user_defined", False)

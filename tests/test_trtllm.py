@@ -51,7 +51,7 @@ def test_supports_num_heads_spot_checks():
         assert not trtllm_gen_supports_num_heads(h), h
     # Up to 8 heads every count fits one tile; a few more cases of the rule.
     assert all(trtllm_gen_supports_num_heads(h) for h in range(1, 9))
-    assert [h for h in range(9, 33) if trtllm_gen_supports_num_heads(h)] == [16, 32]
+    assert [h for h in range(9, 33) if trtllm_gen_supports_num_heads(h)] == [*range(9, 17), 32]
     assert all(trtllm_gen_supports_num_heads(h) for h in range(33, 65))
     assert [h for h in range(65, 257) if trtllm_gen_supports_num_heads(h)] == [128, 192, 256]
     assert trtllm_gen_supports_num_heads(0) is False

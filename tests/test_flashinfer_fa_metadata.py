@@ -1,0 +1,202 @@
+"""CPU-testable parts of `hf_flashinfer_mla.flashinfer_fa`: the row view of a cache (`cache_rows`) and the
+page-size-1 CSR metadata (`csr_metadata`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_flashinfer_mla import MLALatentLayer
+from hf_flashinfer_mla.flashinfer_fa import cache_rows, csr_metadata
+from hf_flashinfer_mla.metadata import StepPlan
+
+RANK, ROPE = 512, 64
+
+
+def _check_rows(latent: torch.Tensor, rows: torch.Tensor, pitch: int) -> None:
+    b, _, s, d = latent.shape
+    assert rows.dim() == 3 and rows.shape[1:] == (1, d)
+    assert rows.shape[0] >= (b - 1) * pitch + s
+    for i in range(b):
+        for j in range(s):
+            assert torch.equal(rows[i * pitch + j, 0], latent[i, 0, j]), (i, j)
+    # The view aliases the cache: no copy.
+    assert rows.untyped_storage().data_ptr() == latent.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("b, s, d", [(1, 5, 512), (3, 7, 512), (4, 9, 64), (2, 1, 16)])
+def test_cache_rows_contiguous(b, s, d):
+    g = torch.Generator().manual_seed(b * 100 + s)
+    latent = torch.randn(b, 1, s, d, generator=g)
+    rows, pitch = cache_rows(latent)
+    assert pitch == s
+    assert rows.shape == (b * s, 1, d)
+    _check_rows(latent, rows, pitch)
+    assert torch.equal(rows[:, 0], latent.reshape(-1, d))
+
+
+@pytest.mark.parametrize("b, smax, s, d", [(3, 32, 7, 512), (2, 16, 16, 64), (4, 40, 1, 8), (1, 32, 5, 64)])
+def test_cache_rows_static_slice(b, smax, s, d):
+    g = torch.Generator().manual_seed(smax + s)
+    full = torch.randn(b, 1, smax, d, generator=g)
+    latent = full[:, :, :s]
+    rows, pitch = cache_rows(latent)
+    if b > 1:
+        assert pitch == smax
+        assert rows.shape[0] == (b - 1) * smax + s
+    _check_rows(latent, rows, pitch)
+
+
+@pytest.mark.parametrize("b, steps", [(3, [5, 1, 1]), (2, [300]), (2, [256, 1]), (4, [1])])
+def test_cache_rows_latent_layer_views(b, steps):
+    g = torch.Generator().manual_seed(sum(steps) + b)
+    layer = MLALatentLayer()
+    kvs, rots = [], []
+    for n in steps:
+        kv, rot = torch.randn(b, 1, n, RANK, generator=g), torch.randn(b, 1, n, ROPE, generator=g)
+        layer.update(kv, rot)
+        kvs.append(kv)
+        rots.append(rot)
+    kv_all, rot_all = torch.cat(kvs, 2), torch.cat(rots, 2)
+    capacity = layer._buffer.shape[2]
+    assert layer.keys.stride(2) == RANK + ROPE and layer.values.stride(2) == RANK + ROPE
+
+    ckv, pitch = cache_rows(layer.keys)
+    kpe, kpe_pitch = cache_rows(layer.values)
+    assert pitch == kpe_pitch == capacity
+    assert ckv.stride() == (RANK + ROPE, RANK + ROPE, 1)
+    assert kpe.stride() == (RANK + ROPE, RANK + ROPE, 1)
+    _check_rows(kv_all, ckv, pitch)
+    _check_rows(rot_all, kpe, pitch)
+    # And against the layer's own views.
+    _check_rows(layer.keys, ckv, pitch)
+    _check_rows(layer.values, kpe, pitch)
+
+
+def test_cache_rows_latent_layer_single_sequence():
+    """With one sequence the pitch is never used (b * pitch == 0) but the rows still match."""
+    g = torch.Generator().manual_seed(5)
+    layer = MLALatentLayer()
+    kv, rot = torch.randn(1, 1, 9, RANK, generator=g), torch.randn(1, 1, 9, ROPE, generator=g)
+    layer.update(kv, rot)
+    ckv, p1 = cache_rows(layer.keys)
+    kpe, p2 = cache_rows(layer.values)
+    assert p1 == p2
+    _check_rows(kv, ckv, p1)
+    _check_rows(rot, kpe, p2)
+
+
+def test_cache_rows_csr_indices_gather_the_valid_tokens():
+    """End to end on CPU: rows[kv_indices] are exactly the valid tokens of each sequence, in order."""
+    g = torch.Generator().manual_seed(11)
+    b, smax, s, d = 3, 20, 12, 32
+    full = torch.randn(b, 1, smax, d, generator=g)
+    latent = full[:, :, :s]
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :4] = False  # left padding
+    valid[2, 10:] = False  # unfilled tail
+    rows, pitch = cache_rows(latent)
+    _, kv_indptr, kv_indices, _ = csr_metadata(valid, pitch, 1)
+    for i in range(b):
+        got = rows[kv_indices[kv_indptr[i] : kv_indptr[i + 1]].long(), 0]
+        assert torch.equal(got, latent[i, 0][valid[i]])
+
+
+def test_cache_rows_rejects_non_contiguous_last_dim():
+    t = torch.randn(2, 1, 8, 16).transpose(-1, -2)
+    with pytest.raises(ValueError):
+        cache_rows(t)
+
+
+def _brute_force(valid: torch.Tensor, pitch: int, q_len: int):
+    b, s = valid.shape
+    indices, indptr, lens = [], [0], []
+    for i in range(b):
+        n = 0
+        for j in range(s):
+            if bool(valid[i, j]):
+                indices.append(i * pitch + j)
+                n += 1
+        lens.append(n)
+        indptr.append(indptr[-1] + n)
+    qo = [i * q_len for i in range(b + 1)]
+    return qo, indptr, indices, lens
+
+
+def _random_valid(g, b, s):
+    """Rows with left padding, an unfilled tail, holes, all valid, or empty."""
+    valid = torch.zeros(b, s, dtype=torch.bool)
+    for i in range(b):
+        kind = int(torch.randint(0, 5, (1,), generator=g))
+        if kind == 0:
+            valid[i] = True
+        elif kind == 1:  # left padding
+            valid[i, int(torch.randint(0, s + 1, (1,), generator=g)) :] = True
+        elif kind == 2:  # filled prefix (static tail)
+            valid[i, : int(torch.randint(0, s + 1, (1,), generator=g))] = True
+        elif kind == 3:
+            valid[i] = torch.rand(s, generator=g) < 0.5
+        # kind 4: empty row
+    return valid
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_csr_metadata_matches_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    b = int(torch.randint(1, 7, (1,), generator=g))
+    s = int(torch.randint(1, 40, (1,), generator=g))
+    pitch = s + int(torch.randint(0, 30, (1,), generator=g))
+    q_len = int(torch.randint(1, 5, (1,), generator=g))
+    valid = _random_valid(g, b, s)
+    if seed == 0:
+        valid[0] = False  # make sure an empty row and left padding are present
+        valid[-1] = torch.arange(s) >= s // 2
+    qo_indptr, kv_indptr, kv_indices, lens = csr_metadata(valid, pitch, q_len)
+    e_qo, e_indptr, e_indices, e_lens = _brute_force(valid, pitch, q_len)
+    for t in (qo_indptr, kv_indptr, kv_indices, lens):
+        assert t.dtype == torch.int32
+        assert t.device == valid.device
+    assert qo_indptr.tolist() == e_qo
+    assert kv_indptr.tolist() == e_indptr
+    assert kv_indices.tolist() == e_indices
+    assert lens.tolist() == e_lens
+    assert kv_indices.numel() == int(kv_indptr[-1])
+
+
+def test_csr_metadata_left_padding_and_empty_rows():
+    valid = torch.tensor(
+        [
+            [False, False, True, True, True],
+            [False, False, False, False, False],
+            [True, True, True, True, True],
+            [True, True, False, False, False],
+        ]
+    )
+    qo, indptr, indices, lens = csr_metadata(valid, 8, 1)
+    assert qo.tolist() == [0, 1, 2, 3, 4]
+    assert lens.tolist() == [3, 0, 5, 2]
+    assert indptr.tolist() == [0, 3, 3, 8, 10]
+    assert indices.tolist() == [2, 3, 4, 16, 17, 18, 19, 20, 24, 25]
+
+
+def test_csr_metadata_all_empty():
+    valid = torch.zeros(3, 6, dtype=torch.bool)
+    qo, indptr, indices, lens = csr_metadata(valid, 6, 2)
+    assert qo.tolist() == [0, 2, 4, 6]
+    assert indptr.tolist() == [0, 0, 0, 0]
+    assert indices.numel() == 0 and indices.dtype == torch.int32
+    assert lens.tolist() == [0, 0, 0]
+
+
+def test_csr_metadata_from_step_plan_mask():
+    """What fa_decode feeds csr_metadata: the last query row of the step's mask."""
+    s, q = 10, 3
+    mask = torch.zeros(2, 1, q, s, dtype=torch.bool)
+    for i in range(q):
+        mask[:, 0, i, : s - q + 1 + i] = True
+    mask[1, 0, :, :4] = False
+    plan = StepPlan(mask)
+    qo, indptr, indices, lens = csr_metadata(plan.kv_valid(torch.device("cpu")), 16, plan.q_len)
+    assert qo.tolist() == [0, 3, 6]
+    assert lens.tolist() == [10, 6]
+    assert indices.tolist() == list(range(10)) + list(range(16 + 4, 16 + 10))
