@@ -23,7 +23,7 @@ DEV = torch.device("cuda")
 KERNELS = ["fa3", "fa2"]
 KERNEL_TOL = 2e-2  # bf16 operands: ~3e-3 observed for a correct kernel
 LOGIT_TOL = 5e-2  # relative error of the logits of a whole (few-layer) bf16 model
-TOP1_MIN = 0.97
+TOP1_MIN = 0.90  # bf16 with random weights has near-tied logits: eager vs reference agree on ~0.94
 
 
 def _available(backend):
