@@ -262,7 +262,9 @@ def is_oom(exc: BaseException) -> bool:
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
     if oom_type is not None and isinstance(exc, oom_type):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    message = str(exc).lower()
+    # CUDA allocator ("CUDA out of memory"), FlashInfer/cuBLAS wrappers, and the CPU allocator (for CPU smoke runs).
+    return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
 
 
 def is_fatal_cuda_error(exc: BaseException) -> bool:
@@ -270,8 +272,9 @@ def is_fatal_cuda_error(exc: BaseException) -> bool:
     return any(marker in message for marker in FATAL_CUDA_MARKERS)
 
 
-def timed_step(model, inputs: dict, device: torch.device) -> tuple[float, int | None, bool]:
-    """One decode step: (milliseconds, transient peak bytes or None off CUDA, logits finite)."""
+def timed_step(model, inputs: dict, device: torch.device) -> tuple[float, int | None, int | None, bool]:
+    """One decode step: (milliseconds, transient peak bytes, bytes allocated before it (both None off CUDA),
+    logits finite)."""
     if is_cuda(device):
         synchronize(device)
         base = torch.cuda.memory_allocated(device)
@@ -287,10 +290,10 @@ def timed_step(model, inputs: dict, device: torch.device) -> tuple[float, int | 
         t0 = time.perf_counter()
         out = model(**inputs)
         ms = (time.perf_counter() - t0) * 1e3
-        transient = None
+        base = transient = None
     finite = bool(torch.isfinite(out.logits).all())
     del out
-    return ms, transient, finite
+    return ms, transient, base, finite
 
 
 def run_cell(model, attn: str, batch: int, context: int, args, device, dtype, warmup: int, steps: int) -> dict:
@@ -320,17 +323,18 @@ def run_cell(model, attn: str, batch: int, context: int, args, device, dtype, wa
         gen = torch.Generator(device="cpu").manual_seed(args.seed + batch + context)
         ids = torch.randint(0, config.vocab_size, (batch, 1), generator=gen).to(device)
         inputs = {"input_ids": ids, "cache": cache, "use_cache": True, "logits_to_keep": 1}
-        times, transients, finite = [], [], True
+        times, transients, bases, finite = [], [], [], True
         with torch.inference_mode():
             for i in range(warmup + steps):
                 seen = int(cache.get_seq_length())
                 inputs["attention_mask"] = torch.ones(batch, seen + 1, dtype=torch.long, device=device)
-                ms, transient, ok = timed_step(model, inputs, device)
+                ms, transient, base, ok = timed_step(model, inputs, device)
                 if not args.no_rewind:
                     cache.crop(-1)
                 if i >= warmup:
                     times.append(ms)
                     transients.append(transient)
+                    bases.append(base)
                     finite = finite and ok
         per_token, held = cache_footprint(cache)
         median = statistics.median(times)
@@ -342,7 +346,7 @@ def run_cell(model, attn: str, batch: int, context: int, args, device, dtype, wa
             transient_peak_bytes=max(transients) if transients[0] is not None else None,
             kv_bytes_per_token=per_token,
             cache_held_bytes=held,
-            mem_before_step_bytes=torch.cuda.memory_allocated(device) if is_cuda(device) else None,
+            mem_before_step_bytes=bases[0],  # weights + cache + step inputs
             logits_finite=finite,
         )
     except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded status
@@ -627,10 +631,12 @@ def print_search(searches: list[dict]) -> None:
         print(f"  {s['model']:>18} B={s['batch']:<4} {s['attn']:>15}: {fmt(s['largest_ok'], 'd', 'none'):>8}  {tail}")
     for (model, batch), by_attn in by_key.items():
         fi = by_attn.get("flashinfer_mla", {}).get("largest_ok")
+        capped = by_attn.get("flashinfer_mla", {}).get("capped")
         for base in ("sdpa", "eager"):
             b = by_attn.get(base, {}).get("largest_ok")
             if fi and b:
-                print(f"  {model} B={batch}: flashinfer_mla reaches {fi / b:.0f}x the context of {base}")
+                bound = ">= " if capped else ""
+                print(f"  {model} B={batch}: flashinfer_mla reaches {bound}{fi / b:.0f}x the context of {base}")
 
 
 def plot(path: str, results: list[dict], attns: list[str]) -> None:

@@ -140,6 +140,16 @@ def test_auto_float_dtype_falls_back(capability, no_cuda, caplog, cc, dtype):
     )
 
 
+@pytest.mark.parametrize("cc, heads, dtype", [((10, 0), 96, torch.float32), ((10, 3), 24, torch.float64)])
+def test_auto_blackwell_untileable_heads_float_dtype_warns_only_the_fallback(capability, no_cuda, caplog, cc, heads, dtype):
+    """On Blackwell with a head count trtllm-gen cannot tile, a float32 model still decodes on the reference backend:
+    the one warning must say so, not claim that decoding goes to cute-dsl."""
+    capability(cc)
+    _assert_reference_warns_once(
+        caplog, lambda: choose_backend(GPU, dtype, RANK, ROPE, heads), str(dtype), "bfloat16 or float16"
+    )
+
+
 @pytest.mark.parametrize("cc", [(9, 0), (8, 0), (10, 0)])
 def test_auto_minicpm3_dims_fall_back(capability, no_cuda, caplog, cc):
     capability(cc)
