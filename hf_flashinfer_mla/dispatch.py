@@ -84,9 +84,9 @@ def unavailable_reason(
 def preferred_kernel(cc: tuple[int, int], num_heads: int) -> str | None:
     """The kernel `auto` picks for a compute capability, before checking dtype and dims."""
     if cc in BLACKWELL:
-        from .trtllm import select_decode_backend
+        from .trtllm import trtllm_gen_supports_num_heads
 
-        return select_decode_backend(num_heads) or "trtllm-gen"
+        return "trtllm-gen" if trtllm_gen_supports_num_heads(num_heads) else "cute-dsl"
     if cc[0] == 9:
         return "fa3"
     if cc >= (8, 0):
@@ -151,5 +151,9 @@ def choose_backend(
             reason = f"no FlashInfer MLA kernel supports compute capability {cc[0]}.{cc[1]}"
         if chosen == "reference":
             _warn_once(f"flashinfer_mla: decode runs on the PyTorch reference backend because {reason}.")
+        elif chosen == "cute-dsl":
+            from .trtllm import select_decode_backend
+
+            select_decode_backend(num_heads)  # warns once that trtllm-gen cannot tile this head count
     _log_choice(chosen, str(device), dtype, num_heads)
     return chosen
