@@ -33,12 +33,21 @@ def _weight_key(weight: torch.Tensor) -> tuple:
 
 def absorbed_weights(module: nn.Module) -> AbsorbedWeights:
     """Return W_UK / W_UV of `module.kv_b_proj`, derived once and re-derived only when the weight changes."""
-    proj = module.kv_b_proj
-    weight = proj.weight
-    key = _weight_key(weight)
+    if torch.compiler.is_compiling():
+        # Inside a compiled graph the views are traced (and free); the bookkeeping cache is for eager mode.
+        return _split(module, key=None)
+    key = _weight_key(module.kv_b_proj.weight)
     cached = getattr(module, "_flashinfer_mla_absorbed", None)
     if cached is not None and cached.key == key:
         return cached
+    absorbed = _split(module, key)
+    module._flashinfer_mla_absorbed = absorbed
+    return absorbed
+
+
+def _split(module: nn.Module, key) -> AbsorbedWeights:
+    proj = module.kv_b_proj
+    weight = proj.weight
     nope, v_dim = module.qk_nope_head_dim, module.v_head_dim
     rows, rank = weight.shape
     if rows % (nope + v_dim):
@@ -51,9 +60,7 @@ def absorbed_weights(module: nn.Module) -> AbsorbedWeights:
     v_bias = None
     if proj.bias is not None:
         v_bias = proj.bias.view(num_heads, nope + v_dim)[:, nope:]
-    absorbed = AbsorbedWeights(per_head[:, :nope], per_head[:, nope:], v_bias, num_heads, key)
-    module._flashinfer_mla_absorbed = absorbed
-    return absorbed
+    return AbsorbedWeights(per_head[:, :nope], per_head[:, nope:], v_bias, num_heads, key)
 
 
 def absorb_query(q_nope: torch.Tensor, weights: AbsorbedWeights) -> torch.Tensor:

@@ -18,8 +18,9 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .absorption import absorb_query, absorbed_weights, project_output
-from .dispatch import choose_backend, requested_backend
+from .dispatch import backend_for_graph, choose_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
+from .flashinfer_fa import fa_decode_graph
 from .metadata import StepPlan, step_plan
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .reference import mla_attention_reference
@@ -59,7 +60,6 @@ def flashinfer_mla_attention_forward(
             "with caches that bypass Transformers' mask creation (continuous batching / PagedAttentionCache), which "
             "are not supported: use generate() with the default DynamicCache or cache_implementation='static'."
         )
-    plan = step_plan(attention_mask)
     scale = scaling if scaling is not None else module.qk_head_dim**-0.5
     weights = absorbed_weights(module)
     if query.shape[1] != weights.num_heads:
@@ -69,15 +69,14 @@ def flashinfer_mla_attention_forward(
         )
     q_nope, q_pe = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     q_lat = absorb_query(q_nope, weights)
-    backend = choose_backend(
-        query.device,
-        query.dtype,
-        kv_latent.shape[-1],
-        k_rot.shape[-1],
-        weights.num_heads,
-        requested_backend(mla_backend, module.config),
-    )
-    o_lat = decode_latent(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
+    dims = (kv_latent.shape[-1], k_rot.shape[-1], weights.num_heads)
+    if torch.compiler.is_compiling():
+        backend = backend_for_graph(str(query.device), query.dtype, *dims, mla_backend,
+                                    getattr(module.config, "mla_backend", None))
+        o_lat = decode_latent_graph(backend, q_lat, q_pe, kv_latent, k_rot, attention_mask, scale)
+    else:
+        backend = choose_backend(query.device, query.dtype, *dims, requested_backend(mla_backend, module.config))
+        o_lat = decode_latent(backend, step_plan(attention_mask), q_lat, q_pe, kv_latent, k_rot, scale)
     return project_output(o_lat, weights), None
 
 
@@ -100,6 +99,15 @@ def decode_latent(
     from .trtllm import trtllm_decode
 
     return trtllm_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
+
+
+def decode_latent_graph(backend, q_lat, q_pe, kv_latent, k_rot, mask, scale) -> torch.Tensor:
+    """`decode_latent` inside a compiled graph: the mask tensor replaces the plan object (dynamo cannot carry it)."""
+    if backend in ("fa3", "fa2"):
+        return fa_decode_graph(q_lat, q_pe, kv_latent, k_rot, mask, backend, scale)
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, mask, scale)
 
 
 def _check_latent(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

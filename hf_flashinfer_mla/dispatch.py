@@ -157,3 +157,21 @@ def choose_backend(
             select_decode_backend(num_heads)  # warns once that trtllm-gen cannot tile this head count
     _log_choice(chosen, str(device), dtype, num_heads)
     return chosen
+
+
+@torch.compiler.assume_constant_result
+def backend_for_graph(device: str, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, num_heads: int,
+                      requested: str | None, config_value: str | None) -> str:
+    """`choose_backend` evaluated once while a graph is traced (the choice is a constant of the graph)."""
+    value = requested or config_value or os.environ.get(ENV_VAR) or "auto"
+    chosen = choose_backend(torch.device(device), dtype, kv_lora_rank, rope_dim, num_heads, value)
+    if chosen in ("trtllm-gen", "cute-dsl"):
+        if value != "auto":
+            raise BackendUnavailableError(
+                f"mla_backend={value!r} is not supported inside torch.compile / CUDA graphs yet; run without "
+                "compiling (generate(..., disable_compile=True)) or let flashinfer_mla choose."
+            )
+        _warn_once(f"flashinfer_mla: {chosen} does not run inside torch.compile / CUDA graphs yet; compiled decode "
+                   "steps use the PyTorch reference backend (generate(..., disable_compile=True) keeps the kernel).")
+        chosen = "reference"
+    return chosen

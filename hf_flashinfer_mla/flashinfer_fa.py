@@ -95,3 +95,84 @@ def fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale):
     q_rope = q_pe.transpose(1, 2).reshape(b * sq, h, rope)
     out = wrapper.run(query=(q_nope_lat, q_rope), kv_cache=(ckv, kpe))  # [B*Sq, H, L]
     return out.view(b, sq, h, rank).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CUDA graphs (torch.compile with a static cache, as generate() does by itself for cache_implementation="static").
+#
+# A captured graph replays the kernel launch without running any Python, so the kernel must find its per-step
+# metadata in buffers whose addresses never change. Each graph wrapper is a FlashInfer wrapper built with
+# use_cuda_graph=True over fixed metadata buffers, for one (device, backend, heads, dtype, batch, query length,
+# cache pitch). The attention runs through the custom op below, which dynamo and inductor treat as opaque; the
+# mask function re-plans every matching graph wrapper once per step *before* the graph replays (with a static
+# cache, Transformers builds the mask in prepare_inputs_for_generation, outside the compiled region).
+# --------------------------------------------------------------------------------------------------------------
+class _GraphWrapper:
+    def __init__(self, device, backend, num_heads, dtype, rank, rope, scale, batch, q_len, pitch):
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        i32 = dict(dtype=torch.int32, device=device)
+        self.shape = (batch, q_len, pitch)
+        self.args = dict(num_heads=num_heads, head_dim_ckv=rank, head_dim_kpe=rope, page_size=1, causal=q_len > 1,
+                         sm_scale=scale, q_data_type=dtype, kv_data_type=dtype, query_layout="split",
+                         kv_cache_layout="split")
+        self.device = device
+        self.planned_step = None
+        self.wrapper = BatchMLAPagedAttentionWrapper(
+            workspace_buffer(device), use_cuda_graph=True, backend=backend,
+            qo_indptr=torch.zeros(batch + 1, **i32), kv_indptr=torch.zeros(batch + 1, **i32),
+            kv_indices=torch.zeros(batch * pitch, **i32), kv_len_arr=torch.zeros(batch, **i32),
+        )
+
+    def plan(self, valid: torch.Tensor, step) -> None:
+        from flashinfer.mla import MLAPlanMetadata
+
+        batch, q_len, pitch = self.shape
+        self.wrapper.plan(metadata=MLAPlanMetadata.csr(*csr_metadata(valid, pitch, q_len)), **self.args)
+        self.planned_step = step
+
+
+_graph_wrappers: dict[tuple, _GraphWrapper] = {}
+_current_step: dict[torch.device, object] = {}
+
+
+def plan_graph_wrappers(plan: StepPlan) -> None:
+    """Re-plan the graph wrappers this step's mask applies to (called by the mask function, once per step)."""
+    device = plan.mask.device
+    _current_step[device] = plan
+    for wrapper in _graph_wrappers.values():
+        if wrapper.device == device and wrapper.shape == (plan.batch_size, plan.q_len, plan.kv_len):
+            wrapper.plan(plan.kv_valid(device), plan)
+
+
+@torch.library.custom_op("hf_flashinfer_mla::fa_decode_graph", mutates_args=())
+def fa_decode_graph(
+    q_lat: torch.Tensor, q_pe: torch.Tensor, kv_latent: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor,
+    backend: str, scale: float,
+) -> torch.Tensor:
+    """`fa_decode` for compiled graphs: metadata in fixed buffers, planned by the mask function each step."""
+    b, h, sq, rank = q_lat.shape
+    rope = q_pe.shape[-1]
+    device = q_lat.device
+    ckv, pitch = cache_rows(kv_latent)
+    kpe, _ = cache_rows(k_rot)
+    key = (device, backend, h, q_lat.dtype, scale, b, sq, pitch)
+    wrapper = _graph_wrappers.get(key)
+    if wrapper is None:
+        wrapper = _graph_wrappers[key] = _GraphWrapper(device, backend, h, q_lat.dtype, rank, rope, scale, b, sq, pitch)
+    if not torch.cuda.is_current_stream_capturing():
+        # Eager execution (the warm-up before capture, or a compile without CUDA graphs): plan now unless the mask
+        # function already planned this wrapper for the current step. Never while capturing: planning syncs.
+        step = _current_step.get(device)
+        if step is None or wrapper.planned_step is not step:
+            valid = mask[:, 0, -1, :]
+            wrapper.plan(valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2, step)
+    q_nope_lat = q_lat.transpose(1, 2).reshape(b * sq, h, rank)
+    q_rope = q_pe.transpose(1, 2).reshape(b * sq, h, rope)
+    out = wrapper.wrapper.run(query=(q_nope_lat, q_rope), kv_cache=(ckv, kpe))
+    return out.view(b, sq, h, rank).transpose(1, 2).contiguous()
+
+
+@fa_decode_graph.register_fake
+def _(q_lat, q_pe, kv_latent, k_rot, mask, backend, scale):
+    return torch.empty_like(q_lat, memory_format=torch.contiguous_format)

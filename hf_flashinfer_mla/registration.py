@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from .attention import MAX_DECODE_QUERY, flashinfer_mla_attention_forward
 from .cache import adopt_latent_layers
+from .flashinfer_fa import plan_graph_wrappers
 from .metadata import attach_plan
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
 
@@ -59,7 +60,7 @@ def flashinfer_mla_mask(
     )
     if decode and mask is not None and not torch.compiler.is_compiling():
         mask = mask.contiguous()
-        attach_plan(mask)
+        plan_graph_wrappers(attach_plan(mask))
     return mask
 
 
