@@ -13,6 +13,8 @@ is kept for the process, so its internal integer workspace is allocated once, no
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .buffers import workspace_buffer
@@ -133,6 +135,21 @@ class _GraphWrapper:
 
 
 _graph_wrappers: dict[tuple, _GraphWrapper] = {}
+
+
+@contextlib.contextmanager
+def _persistent_allocations(device: torch.device):
+    """Allocate buffers that outlive the step on a side stream.
+
+    torch.compile's CUDA-graph trees run their warm-up with the current stream allocating from the graph's private
+    memory pool and refuse to capture while a tensor from that pool outlives the warm-up; the graph wrapper's
+    fixed buffers (and FlashInfer's integer workspace, allocated by its first plan) must live for the process.
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream(device).wait_stream(side)
 _current_step: dict[torch.device, object] = {}
 
 
@@ -158,15 +175,20 @@ def fa_decode_graph(
     kpe, _ = cache_rows(k_rot)
     key = (device, backend, h, q_lat.dtype, scale, b, sq, pitch)
     wrapper = _graph_wrappers.get(key)
+    valid = mask[:, 0, -1, :]
+    valid = valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2
     if wrapper is None:
-        wrapper = _graph_wrappers[key] = _GraphWrapper(device, backend, h, q_lat.dtype, rank, rope, scale, b, sq, pitch)
+        with _persistent_allocations(device):
+            workspace_buffer(device)
+            wrapper = _GraphWrapper(device, backend, h, q_lat.dtype, rank, rope, scale, b, sq, pitch)
+            wrapper.plan(valid, _current_step.get(device))
+        _graph_wrappers[key] = wrapper
     if not torch.cuda.is_current_stream_capturing():
         # Eager execution (the warm-up before capture, or a compile without CUDA graphs): plan now unless the mask
         # function already planned this wrapper for the current step. Never while capturing: planning syncs.
         step = _current_step.get(device)
         if step is None or wrapper.planned_step is not step:
-            valid = mask[:, 0, -1, :]
-            wrapper.plan(valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2, step)
+            wrapper.plan(valid, step)
     q_nope_lat = q_lat.transpose(1, 2).reshape(b * sq, h, rank)
     q_rope = q_pe.transpose(1, 2).reshape(b * sq, h, rope)
     out = wrapper.wrapper.run(query=(q_nope_lat, q_rope), kv_cache=(ckv, kpe))

@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import inspect
 import json
 import math
 import os
@@ -78,6 +79,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 MIB = 1024 * 1024
 # Markers of a CUDA error after which the process's CUDA context is unusable.
 FATAL_CUDA_MARKERS = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address")
+# Messages of allocation failures that are not torch.OutOfMemoryError (cuBLAS, FlashInfer, the CPU allocator).
+OOM_MARKERS = ("out of memory", "can't allocate memory", "cublas_status_alloc_failed", "cudaerrormemoryallocation")
 
 # DeepSeek-V2/V3's published YaRN rope scaling (mscale differs between the two).
 V2_LITE_ROPE = {
@@ -224,6 +227,12 @@ def cache_footprint(cache) -> tuple[int, int]:
     return per_token, sum(storages.values())
 
 
+def cache_kwarg(model) -> str:
+    """The forward keyword for the cache: ``cache`` (transformers >= 5.2x) or the older ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
 def flashinfer_backend(config, device: torch.device, dtype: torch.dtype) -> str:
     """The decode backend flashinfer_mla will pick for this model (may log its one fallback warning)."""
     from hf_flashinfer_mla.dispatch import choose_backend, requested_backend
@@ -255,7 +264,10 @@ def synchronize(device: torch.device) -> None:
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if is_cuda(device):
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - a lost CUDA context is reported by the cell, not raised here
+            pass
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -263,8 +275,7 @@ def is_oom(exc: BaseException) -> bool:
     if oom_type is not None and isinstance(exc, oom_type):
         return True
     message = str(exc).lower()
-    # CUDA allocator ("CUDA out of memory"), FlashInfer/cuBLAS wrappers, and the CPU allocator (for CPU smoke runs).
-    return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
+    return isinstance(exc, RuntimeError) and any(marker in message for marker in OOM_MARKERS)
 
 
 def is_fatal_cuda_error(exc: BaseException) -> bool:
@@ -322,7 +333,7 @@ def run_cell(model, attn: str, batch: int, context: int, args, device, dtype, wa
 
         gen = torch.Generator(device="cpu").manual_seed(args.seed + batch + context)
         ids = torch.randint(0, config.vocab_size, (batch, 1), generator=gen).to(device)
-        inputs = {"input_ids": ids, "cache": cache, "use_cache": True, "logits_to_keep": 1}
+        inputs = {"input_ids": ids, cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
         times, transients, bases, finite = [], [], [], True
         with torch.inference_mode():
             for i in range(warmup + steps):
@@ -485,7 +496,10 @@ def run_grid(args, device, dtype, payload: dict, deadline: float | None) -> None
                 model = build_model(config, dtype, device, args.experts_impl)
                 payload["models"][name] = {**model_info(model, config), "build_seconds": time.perf_counter() - t0}
         except Exception as exc:  # noqa: BLE001
-            payload["models"][name] = {"status": "oom" if is_oom(exc) else "error", "message": f"{type(exc).__name__}: {exc}"}
+            payload["models"][name] = {
+                "status": "oom" if is_oom(exc) else "error",
+                "message": f"{type(exc).__name__}: {exc}",
+            }
             fatal = fatal or (f"{type(exc).__name__}: {exc}" if is_fatal_cuda_error(exc) else None)
             free_memory(device)
         for attn in args.attn:
@@ -500,7 +514,10 @@ def run_grid(args, device, dtype, payload: dict, deadline: float | None) -> None
                     elif dominated_by_oom(failed, (name, attn), batch, context):
                         rec = skipped(name, attn, batch, context, args, "oom", "ran out of memory at a smaller cell")
                     else:
-                        rec = {"model": name, **run_cell(model, attn, batch, context, args, device, dtype, args.warmup, args.steps)}
+                        rec = {
+                            "model": name,
+                            **run_cell(model, attn, batch, context, args, device, dtype, args.warmup, args.steps),
+                        }
                         if rec["status"] == "oom":
                             failed.add(((name, attn), batch, context))
                         if rec.get("fatal"):
@@ -522,7 +539,10 @@ def run_search(args, device, dtype, payload: dict, deadline: float | None) -> No
             model = build_model(config, dtype, device, args.experts_impl)
             payload["models"][name] = model_info(model, config)
         except Exception as exc:  # noqa: BLE001
-            payload["models"][name] = {"status": "oom" if is_oom(exc) else "error", "message": f"{type(exc).__name__}: {exc}"}
+            payload["models"][name] = {
+                "status": "oom" if is_oom(exc) else "error",
+                "message": f"{type(exc).__name__}: {exc}",
+            }
             free_memory(device)
             continue
         for batch in args.batch:
@@ -534,12 +554,18 @@ def run_search(args, device, dtype, payload: dict, deadline: float | None) -> No
                     if deadline and time.time() > deadline:
                         entry["stopped"] = "--time-limit reached"
                         break
-                    rec = run_cell(model, attn, batch, context, args, device, dtype, args.search_warmup, args.search_steps)
+                    rec = run_cell(
+                        model, attn, batch, context, args, device, dtype, args.search_warmup, args.search_steps
+                    )
                     probes.append({k: v for k, v in rec.items() if k not in ("traceback",)})
                     result = f"{rec['ms_median']:.2f} ms" if rec["status"] == "ok" else rec["status"]
                     print(f"  {name} B={batch} {attn} ctx={context}: {result}", flush=True)
                     if rec["status"] != "ok":
-                        entry["first_failure"] = {"context": context, "status": rec["status"], "message": rec.get("message")}
+                        entry["first_failure"] = {
+                            "context": context,
+                            "status": rec["status"],
+                            "message": rec.get("message"),
+                        }
                         break
                     entry["largest_ok"] = context
                     context *= 2
@@ -610,15 +636,21 @@ def print_table(rows: list[dict], attns: list[str]) -> None:
                 line += [rec["status"].upper(), "", ""]
             else:
                 peak = rec.get("transient_peak_bytes")
-                line += [fmt(rec["ms_median"]), fmt(rec["tokens_per_s"], ".0f"), fmt(peak / MIB if peak is not None else None, ".1f")]
+                line += [
+                    fmt(rec["ms_median"]),
+                    fmt(rec["tokens_per_s"], ".0f"),
+                    fmt(peak / MIB if peak is not None else None, ".1f"),
+                ]
         line += [fmt(row["kv_bytes_per_token"], "d"), fmt(row["speedup"], ".2f"), fmt(row["mem_ratio"], ".3f")]
         lines.append(line)
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     for line in lines:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
-    print("speedup = min(eager, sdpa) ms / flashinfer_mla ms (inf: baselines OOM); "
-          "mem_ratio = flashinfer_mla transient peak / eager transient peak; peak = memory above weights + cache")
+    print(
+        "speedup = min(eager, sdpa) ms / flashinfer_mla ms (inf: baselines OOM); "
+        "mem_ratio = flashinfer_mla transient peak / eager transient peak; peak = memory above weights + cache"
+    )
 
 
 def print_search(searches: list[dict]) -> None:
@@ -627,7 +659,11 @@ def print_search(searches: list[dict]) -> None:
     for s in searches:
         by_key.setdefault((s["model"], s["batch"]), {})[s["attn"]] = s
         fail = s["first_failure"]
-        tail = f"first failure at {fail['context']} ({fail['status']})" if fail else ("capped at --max-context" if s.get("capped") else s.get("stopped", ""))
+        tail = (
+            f"first failure at {fail['context']} ({fail['status']})"
+            if fail
+            else ("capped at --max-context" if s.get("capped") else s.get("stopped", ""))
+        )
         print(f"  {s['model']:>18} B={s['batch']:<4} {s['attn']:>15}: {fmt(s['largest_ok'], 'd', 'none'):>8}  {tail}")
     for (model, batch), by_attn in by_key.items():
         fi = by_attn.get("flashinfer_mla", {}).get("largest_ok")
@@ -668,6 +704,8 @@ def plot(path: str, results: list[dict], attns: list[str]) -> None:
                 ax_mem.plot(ctx, [p[2] / MIB for p in pts], marker="o", label=attn)
         ax_tps.set_title(f"{model}, batch {batch}: decode throughput")
         ax_tps.set_ylabel("tokens/s")
+        if not ax_mem.lines:
+            ax_mem.text(0.5, 0.5, "no CUDA memory statistics", ha="center", va="center", transform=ax_mem.transAxes)
         ax_mem.set_title(f"{model}, batch {batch}: transient peak memory")
         ax_mem.set_ylabel("MiB above weights + cache")
         for ax in (ax_tps, ax_mem):
@@ -697,7 +735,9 @@ def parse_args(argv=None):
     p.add_argument("--cache", default="dynamic", choices=("dynamic", "static"))
     p.add_argument("--no-rewind", action="store_true", help="let the context grow by one token per step")
     p.add_argument("--experts-impl", default=None, help="transformers experts_implementation (default: its choice)")
-    p.add_argument("--mla-backend", default=None, help="force flashinfer_mla's backend (sets HF_FLASHINFER_MLA_BACKEND)")
+    p.add_argument(
+        "--mla-backend", default=None, help="force flashinfer_mla's backend (sets HF_FLASHINFER_MLA_BACKEND)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write raw results + metadata here (rewritten after every cell)")
     p.add_argument("--plot", default=None, help="write a PNG: tokens/s and transient memory vs context")
@@ -738,6 +778,9 @@ def main(argv=None) -> int:
         payload["summary"] = [{k: v for k, v in r.items() if k != "by_attn"} for r in rows]
         print()
         print_table(rows, args.attn)
+        backends = sorted({r["mla_backend"] for r in payload["results"] if r.get("mla_backend")})
+        if backends:
+            print(f"flashinfer_mla decode backend: {', '.join(backends)}")
         errors = [r for r in payload["results"] if r["status"] == "error" and not r.get("skipped")]
         for r in errors:
             print(f"error: {r['model']} {r['attn']} B={r['batch']} ctx={r['context']}: {r['message']}")

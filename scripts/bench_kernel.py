@@ -69,6 +69,12 @@ class LatentProjection(nn.Module):
             self.kv_b_proj.weight.normal_(0.0, RANK**-0.5)
 
 
+def is_oom(exc: BaseException) -> bool:
+    oom_type = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    message = str(exc).lower()
+    return isinstance(exc, oom_type) or any(m in message for m in ("out of memory", "can't allocate memory"))
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -112,7 +118,6 @@ def copy_bandwidth(device: torch.device, mib: int, iters: int) -> dict:
     dst = torch.empty_like(src)
     times = time_ms(lambda i: dst.copy_(src), device, warmup=2, iters=iters)
     med = statistics.median(times)
-    del src, dst
     return {"bytes_copied": n, "ms_median": med, "GBps": 2 * n / (med / 1e3) / GB, "ms_all": times}
 
 
@@ -223,11 +228,11 @@ def bench_case(heads: int, layout: str, args, device, dtype, copy_gbps: float | 
             )
             del lat, out
 
-            def kernel(i, plan=plan):
+            def kernel(i, plan=plan, backend=backend):
                 kv, kr, _ = caches[i % copies]
                 return decode_latent(backend, plan, q_lat, q_pe, kv, kr, scale)
 
-            def full(i, plan=plan):
+            def full(i, plan=plan, backend=backend):
                 kv, kr, _ = caches[i % copies]
                 q = absorb_query(q_nope, weights)
                 return project_output(decode_latent(backend, plan, q, q_pe, kv, kr, scale), weights)
@@ -257,7 +262,9 @@ def bench_case(heads: int, layout: str, args, device, dtype, copy_gbps: float | 
             for _ in range(args.plan_reps):
                 alive.append(StepPlan(mask))
                 fresh = alive[-1]
-                first.append(wall_ms(lambda fresh=fresh: decode_latent(backend, fresh, q_lat, q_pe, kv0, kr0, scale), device))
+                first.append(
+                    wall_ms(lambda p=fresh, b=backend: decode_latent(b, p, q_lat, q_pe, kv0, kr0, scale), device)
+                )
             del alive
             rec["first_call_ms"] = statistics.median(first)
             rec["first_call_minus_kernel_ms"] = rec["first_call_ms"] - k_ms
@@ -265,7 +272,9 @@ def bench_case(heads: int, layout: str, args, device, dtype, copy_gbps: float | 
                 pitch = common["pitch_tokens"]
                 plan_only = [
                     wall_ms(
-                        lambda: flashinfer_fa._planned(backend, StepPlan(mask), device, pitch, heads, dtype, RANK, ROPE, scale),
+                        lambda b=backend, pitch=pitch: flashinfer_fa._planned(
+                            b, StepPlan(mask), device, pitch, heads, dtype, RANK, ROPE, scale
+                        ),
                         device,
                     )
                     for _ in range(args.plan_reps)
@@ -281,11 +290,9 @@ def bench_case(heads: int, layout: str, args, device, dtype, copy_gbps: float | 
                 flush=True,
             )
         except Exception as exc:  # noqa: BLE001 - recorded, the other backends still run
-            oom = isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
-            rec.update(status="oom" if oom else "error", message=f"{type(exc).__name__}: {exc}"[:500])
+            rec.update(status="oom" if is_oom(exc) else "error", message=f"{type(exc).__name__}: {exc}"[:500])
             print(f"  H={heads} {layout:6s} {backend:9s}: {rec['status']} ({rec['message']})", flush=True)
         records.append(rec)
-    del caches
     return records
 
 
@@ -294,32 +301,75 @@ def fmt(value, spec: str) -> str:
 
 
 def print_table(records: list[dict], copy_gbps: float | None) -> None:
-    header = ["H", "B", "S", "layout", "backend", "kernel ms", "full ms", "GB/s", "of copy", "plan ms",
-              "1st call ms", "rel err", "err fp32"]
+    header = [
+        "H",
+        "B",
+        "S",
+        "layout",
+        "backend",
+        "kernel ms",
+        "full ms",
+        "GB/s",
+        "of copy",
+        "plan ms",
+        "1st call ms",
+        "rel err",
+        "err fp32",
+    ]
     rows = []
     for r in records:
         if r.get("status") != "ok":
-            rows.append([str(r["heads"]), str(r["batch"]), str(r["context"]), r["layout"], r["backend"],
-                         r.get("status", "?").upper(), "", "", "", "", "", "", ""])
+            rows.append(
+                [
+                    str(r["heads"]),
+                    str(r["batch"]),
+                    str(r["context"]),
+                    r["layout"],
+                    r["backend"],
+                    r.get("status", "?").upper(),
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
             continue
-        rows.append([
-            str(r["heads"]), str(r["batch"]), str(r["context"]), r["layout"], r["backend"],
-            fmt(r["kernel_ms"], ".4f"), fmt(r["full_ms"], ".4f"), fmt(r["kernel_GBps"], ".0f"),
-            fmt(r.get("kernel_frac_of_copy_bw"), ".1%"), fmt(r.get("wrapper_plan_ms"), ".3f"),
-            fmt(r["first_call_ms"], ".3f"), fmt(r["rel_err_vs_reference"], ".1e"), fmt(r["rel_err_vs_fp32"], ".1e"),
-        ])
+        rows.append(
+            [
+                str(r["heads"]),
+                str(r["batch"]),
+                str(r["context"]),
+                r["layout"],
+                r["backend"],
+                fmt(r["kernel_ms"], ".4f"),
+                fmt(r["full_ms"], ".4f"),
+                fmt(r["kernel_GBps"], ".0f"),
+                fmt(r.get("kernel_frac_of_copy_bw"), ".1%"),
+                fmt(r.get("wrapper_plan_ms"), ".3f"),
+                fmt(r["first_call_ms"], ".3f"),
+                fmt(r["rel_err_vs_reference"], ".1e"),
+                fmt(r["rel_err_vs_fp32"], ".1e"),
+            ]
+        )
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     if copy_gbps:
         print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s; GB/s counts latent read + query + output bytes")
-    print("plan ms = flashinfer_fa._planned alone (CSR metadata + wrapper.plan); 1st call = fresh StepPlan: plan + kernel")
+    print(
+        "plan ms = flashinfer_fa._planned alone (CSR metadata + wrapper.plan); 1st call = fresh StepPlan: plan + kernel"
+    )
     doubled = [r for r in records if r.get("plans_per_first_call", 0) > 1.6]
     if doubled:
-        print(f"note: in {len(doubled)} case(s) the first call on a fresh plan cost about "
-              f"{statistics.median(r['plans_per_first_call'] for r in doubled):.1f} plans: the wrapper was planned "
-              "more than once for one step (see flashinfer_fa.fa_decode's re-plan check)")
+        print(
+            f"note: in {len(doubled)} case(s) the first call on a fresh plan cost about "
+            f"{statistics.median(r['plans_per_first_call'] for r in doubled):.1f} plans: the wrapper was planned "
+            "more than once for one step (see flashinfer_fa.fa_decode's re-plan check)"
+        )
 
 
 def metadata(args, device: torch.device) -> dict:
@@ -395,8 +445,15 @@ def main(argv=None) -> int:
                     payload["results"] += bench_case(heads, layout, args, device, dtype, copy_gbps)
                 except Exception as exc:  # noqa: BLE001 - e.g. OOM building the inputs
                     payload["results"].append(
-                        {"heads": heads, "batch": args.batch, "context": args.context, "layout": layout,
-                         "backend": "*", "status": "error", "message": f"{type(exc).__name__}: {exc}"[:500]}
+                        {
+                            "heads": heads,
+                            "batch": args.batch,
+                            "context": args.context,
+                            "layout": layout,
+                            "backend": "*",
+                            "status": "oom" if is_oom(exc) else "error",
+                            "message": f"{type(exc).__name__}: {exc}"[:500],
+                        }
                     )
                     print(f"  H={heads} {layout}: error ({exc})", flush=True)
                 if device.type == "cuda":
