@@ -28,7 +28,9 @@ class AbsorbedWeights:
 
 
 def _weight_key(weight: torch.Tensor) -> tuple:
-    return (weight.data_ptr(), weight._version, weight.device, weight.dtype, tuple(weight.shape))
+    # Inference-mode tensors carry no version counter (and cannot be edited in place outside inference mode).
+    version = None if weight.is_inference() else weight._version
+    return (weight.data_ptr(), version, weight.device, weight.dtype, tuple(weight.shape))
 
 
 def absorbed_weights(module: nn.Module) -> AbsorbedWeights:

@@ -4,7 +4,7 @@ Transformers' ``DynamicLayer.update`` concatenates, i.e. copies the whole histor
 step: for a long context that copy costs more memory traffic than the attention itself. `MLALatentLayer` keeps
 the latent in one preallocated buffer, packed as ``[batch, 1, capacity, kv_lora_rank + rope]`` rows, writes each
 step's new tokens into the next free rows, and hands Transformers views of the filled part; when full it grows
-geometrically, so a token is copied O(1) times on average. The packed rows are also the layout Blackwell's
+geometrically (1.5x), so a token is copied O(1) times on average. The packed rows are also the layout Blackwell's
 trtllm-gen kernel reads, and the capacity is kept a multiple of its page size.
 
 ``generate()`` uses it automatically for ``flashinfer_mla`` models (``registration.py`` swaps the full-attention
@@ -36,7 +36,9 @@ class MLALatentLayer(DynamicLayer):
 
     def _grow(self, batch: int, needed: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         old = self._buffer
-        capacity = max(needed, 2 * (old.shape[2] if old is not None else 0))
+        # Headroom on the first allocation (a prompt of exactly 256k tokens must not copy itself at the first
+        # decode step), then 1.5x growth: O(1) copies per token with a lower peak than doubling.
+        capacity = needed + ROUND_TOKENS if old is None else max(needed, old.shape[2] * 3 // 2)
         capacity = -(-capacity // ROUND_TOKENS) * ROUND_TOKENS
         width = like_k.shape[-1] + like_v.shape[-1]
         buffer = torch.empty((batch, 1, capacity, width), dtype=like_k.dtype, device=like_k.device)

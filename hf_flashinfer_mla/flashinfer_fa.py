@@ -13,7 +13,7 @@ is kept for the process, so its internal integer workspace is allocated once, no
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 
 import torch
 
@@ -23,7 +23,8 @@ from .metadata import StepPlan
 _wrappers: dict[tuple, object] = {}
 
 
-def _wrapper(device: torch.device, backend: str, num_heads: int, dtype: torch.dtype):
+def fa_wrapper(device: torch.device, backend: str, num_heads: int, dtype: torch.dtype):
+    """The process-wide (eager-mode) wrapper of this device, backend, head count and dtype."""
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
     key = (device, backend, num_heads, dtype)
@@ -56,10 +57,10 @@ def csr_metadata(valid: torch.Tensor, pitch: int, q_len: int):
     return qo_indptr, kv_indptr, kv_indices, lens
 
 
-def _planned(backend, plan: StepPlan, device, pitch, num_heads, dtype, rank, rope, scale):
+def plan_wrapper(wrapper, plan: StepPlan, device, pitch, num_heads, dtype, rank, rope, scale) -> None:
+    """Host-side FlashInfer planning of `wrapper` for one step (one device sync for the indices)."""
     from flashinfer.mla import MLAPlanMetadata
 
-    wrapper = _wrapper(device, backend, num_heads, dtype)
     qo_indptr, kv_indptr, kv_indices, lens = csr_metadata(plan.kv_valid(device), pitch, plan.q_len)
     wrapper.plan(
         metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, lens),
@@ -74,7 +75,6 @@ def _planned(backend, plan: StepPlan, device, pitch, num_heads, dtype, rank, rop
         query_layout="split",
         kv_cache_layout="split",
     )
-    return wrapper
 
 
 def fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale):
@@ -86,13 +86,12 @@ def fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale):
     kpe, kpe_pitch = cache_rows(k_rot)
     if kpe_pitch != pitch:
         raise ValueError(f"latent and rope caches disagree on the row pitch ({pitch} vs {kpe_pitch})")
-    key = ("fa", backend, device, pitch, h, q_lat.dtype, scale)
-    wrapper = plan.state(key, lambda: _planned(backend, plan, device, pitch, h, q_lat.dtype, rank, rope, scale))
-    # The wrapper is shared by all steps on this device; if another step planned it meanwhile, plan again.
-    if getattr(wrapper, "_hf_mla_plan_key", None) != (id(plan), key):
-        if getattr(wrapper, "_hf_mla_plan_key", None) is not None:
-            _planned(backend, plan, device, pitch, h, q_lat.dtype, rank, rope, scale)
-        wrapper._hf_mla_plan_key = (id(plan), key)
+    wrapper = fa_wrapper(device, backend, h, q_lat.dtype)
+    # Planned by the first layer of each step; the wrapper remembers for which step (and cache layout) it is.
+    planned_for = (pitch, scale, rank, rope)
+    if getattr(wrapper, "_hf_mla_step", None) is not plan or wrapper._hf_mla_planned_for != planned_for:
+        plan_wrapper(wrapper, plan, device, pitch, h, q_lat.dtype, rank, rope, scale)
+        wrapper._hf_mla_step, wrapper._hf_mla_planned_for = plan, planned_for
     q_nope_lat = q_lat.transpose(1, 2).reshape(b * sq, h, rank)
     q_rope = q_pe.transpose(1, 2).reshape(b * sq, h, rope)
     out = wrapper.run(query=(q_nope_lat, q_rope), kv_cache=(ckv, kpe))  # [B*Sq, H, L]
@@ -137,19 +136,23 @@ class _GraphWrapper:
 _graph_wrappers: dict[tuple, _GraphWrapper] = {}
 
 
-@contextlib.contextmanager
-def _persistent_allocations(device: torch.device):
-    """Allocate buffers that outlive the step on a side stream.
+def _outside_graph_pool(device: torch.device, build):
+    """Run `build` (allocations that live for the process) on a helper thread, and wait for its GPU work.
 
-    torch.compile's CUDA-graph trees run their warm-up with the current stream allocating from the graph's private
-    memory pool and refuse to capture while a tensor from that pool outlives the warm-up; the graph wrapper's
-    fixed buffers (and FlashInfer's integer workspace, allocated by its first plan) must live for the process.
+    torch.compile's CUDA-graph trees route every allocation of the calling thread to the graph's private memory
+    pool during warm-up, and refuse to capture while a tensor from that pool outlives it. The graph wrapper's fixed
+    buffers, the device workspace and FlashInfer's integer workspace (allocated by the first plan) live for the
+    process, so they are allocated from another thread, which the pool does not see.
     """
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        yield
-    torch.cuda.current_stream(device).wait_stream(side)
+
+    def run():
+        torch.cuda.set_device(device)
+        result = build()
+        torch.cuda.synchronize(device)
+        return result
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run).result()
 _current_step: dict[torch.device, object] = {}
 
 
@@ -178,11 +181,15 @@ def fa_decode_graph(
     valid = mask[:, 0, -1, :]
     valid = valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2
     if wrapper is None:
-        with _persistent_allocations(device):
+        torch.cuda.current_stream(device).synchronize()  # `valid` is read from the helper thread's stream
+
+        def build():
             workspace_buffer(device)
-            wrapper = _GraphWrapper(device, backend, h, q_lat.dtype, rank, rope, scale, b, sq, pitch)
-            wrapper.plan(valid, _current_step.get(device))
-        _graph_wrappers[key] = wrapper
+            new = _GraphWrapper(device, backend, h, q_lat.dtype, rank, rope, scale, b, sq, pitch)
+            new.plan(valid, _current_step.get(device))
+            return new
+
+        wrapper = _graph_wrappers[key] = _outside_graph_pool(device, build)
     if not torch.cuda.is_current_stream_capturing():
         # Eager execution (the warm-up before capture, or a compile without CUDA graphs): plan now unless the mask
         # function already planned this wrapper for the current step. Never while capturing: planning syncs.

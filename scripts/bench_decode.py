@@ -40,7 +40,8 @@ Method, per (model, attn implementation, batch, context):
   (same model and attn) are recorded as "oom" without running ("skipped": true). If the CUDA context is lost (an
   illegal memory access), the remaining cells are recorded as errors and the run stops.
 
-Usage:
+Usage (the default grid is all three real models x batch 1 8 32 64 128 x context 1k 4k 16k 32k x eager, sdpa,
+flashinfer_mla: about 10 minutes on an H200, so run one model per command where commands are time-limited):
 
     python scripts/bench_decode.py --model deepseek-v3-attn --batch 32 --context 4096 --json out.json
     python scripts/bench_decode.py --model tiny --device cpu --dtype float32 --batch 2 --context 64 --steps 2 --warmup 1
@@ -48,8 +49,11 @@ Usage:
 
 ``--max-context-search`` doubles the context from ``--search-start`` (1024) for each attn until a decode step
 fails (out of memory), capped at ``--max-context`` (1,048,576), and reports the largest context that completed one
-step. ``--json`` is rewritten after every cell, so an interrupted run keeps what it measured; ``--time-limit``
-stops starting new cells after that many seconds (they are recorded as "skipped").
+step (``--context`` is not used there; each probe runs ``--search-warmup`` + ``--search-steps`` steps, 1 + 1 by
+default). FlashInfer compiles its kernels on first use unless a JIT cache is installed: that lands in the first
+flashinfer_mla cell's warm-up, never in a timed step (keep ``--warmup`` >= 1). ``--json`` is rewritten after every
+cell, so an interrupted run keeps what it measured; ``--time-limit`` stops starting new cells after that many seconds
+(they are recorded as "skipped").
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ import traceback
 
 import torch
 
-MODEL_NAMES = ("deepseek-v2-lite", "deepseek-v3-attn", "glm-4.7-flash", "tiny")
+REAL_MODELS = ("deepseek-v2-lite", "deepseek-v3-attn", "glm-4.7-flash")
+MODEL_NAMES = (*REAL_MODELS, "tiny")
 ATTN_CHOICES = ("eager", "sdpa", "flashinfer_mla")
 DEFAULT_BATCHES = (1, 8, 32, 64, 128)
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
@@ -723,7 +728,9 @@ def plot(path: str, results: list[dict], attns: list[str]) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", nargs="+", default=["deepseek-v2-lite"], choices=MODEL_NAMES, help="model presets")
+    p.add_argument(
+        "--model", nargs="+", default=list(REAL_MODELS), choices=MODEL_NAMES, help="model presets (default: the 3 real)"
+    )
     p.add_argument("--layers", type=int, default=None, help="override the depth of every model")
     p.add_argument("--batch", nargs="+", type=int, default=list(DEFAULT_BATCHES))
     p.add_argument("--context", nargs="+", type=int, default=list(DEFAULT_CONTEXTS))

@@ -98,7 +98,7 @@ def test_layout_is_packed_rows():
     pair = Pair(2, seed=5)
     pair.update(10)
     buf = pair.mla._buffer
-    assert buf.shape == (2, 1, ROUND_TOKENS, RANK + ROPE)
+    assert buf.shape == (2, 1, 2 * ROUND_TOKENS, RANK + ROPE)  # 10 tokens + 256 headroom, rounded up
     assert pair.mla.keys.data_ptr() == buf.data_ptr()
     assert pair.mla.values.data_ptr() == buf.data_ptr() + RANK * buf.element_size()
     assert pair.mla.keys.stride(2) == RANK + ROPE and pair.mla.values.stride(2) == RANK + ROPE
@@ -113,8 +113,8 @@ def test_growth_keeps_content_and_capacity_rounds():
         caps.append(pair.mla._buffer.shape[2])
     assert all(c % ROUND_TOKENS == 0 for c in caps)
     assert caps == sorted(caps)  # never shrinks
-    assert caps[0] == 256 and caps[2] == 512  # 300 tokens -> doubled to 512
-    assert caps[4] >= 803  # 803 tokens
+    assert caps[0] == 512  # 100 tokens + 256 headroom, rounded up
+    assert caps[2] == 512 and caps[4] == 1024  # 801 tokens > 512: max(801, 1.5 * 512) rounded up to 1024
 
 
 def test_growth_is_geometric():
@@ -128,7 +128,7 @@ def test_growth_is_geometric():
         if ptr != last:
             reallocations += 1
             last = ptr
-    # 2000 one-token steps: capacities 256, 512, 1024, 2048.
+    # 2000 one-token steps: capacities 512, 768, 1280 (1.5x = 1152, rounded), 2048 (1920 rounded): 1.5x growth.
     assert reallocations == 4
     assert layer._buffer.shape[2] == 2048
 
@@ -138,15 +138,15 @@ def test_decode_step_does_not_reallocate_when_capacity_suffices():
     pair.update(200)
     buf = pair.mla._buffer
     ptr = buf.data_ptr()
-    for _ in range(56):  # up to exactly the capacity, 256
+    for _ in range(312):  # up to exactly the capacity, 512
         pair.update(1)
         assert pair.mla._buffer is buf
         assert pair.mla._buffer.data_ptr() == ptr
         assert pair.mla.keys.data_ptr() == ptr
-    assert pair.mla.get_seq_length() == 256
-    pair.update(1)  # 257 > 256: grows once
+    assert pair.mla.get_seq_length() == 512
+    pair.update(1)  # 513 > 512: grows once, by 1.5x
     assert pair.mla._buffer.data_ptr() != ptr
-    assert pair.mla._buffer.shape[2] == 512
+    assert pair.mla._buffer.shape[2] == 768
 
 
 def test_first_update_capacity_is_multiple_of_256():
@@ -154,7 +154,7 @@ def test_first_update_capacity_is_multiple_of_256():
         layer = MLALatentLayer()
         layer.update(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 2))
         cap = layer._buffer.shape[2]
-        assert cap % ROUND_TOKENS == 0 and n <= cap < n + ROUND_TOKENS
+        assert cap % ROUND_TOKENS == 0 and n + ROUND_TOKENS <= cap < n + 2 * ROUND_TOKENS
 
 
 def test_crop():
