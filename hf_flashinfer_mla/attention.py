@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .absorption import absorb_query, absorbed_weights, project_output
 from .dispatch import backend_for_graph, choose_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
-from .flashinfer_fa import fa_decode_graph
+from .flashinfer_fa import fa_decode_graph, mask_planned_outside_graph
 from .metadata import StepPlan, step_plan
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .reference import mla_attention_reference
@@ -104,7 +104,8 @@ def decode_latent(
 def decode_latent_graph(backend, q_lat, q_pe, kv_latent, k_rot, mask, scale) -> torch.Tensor:
     """`decode_latent` inside a compiled graph: the mask tensor replaces the plan object (dynamo cannot carry it)."""
     if backend in ("fa3", "fa2"):
-        return fa_decode_graph(q_lat, q_pe, kv_latent, k_rot, mask, backend, scale)
+        if mask_planned_outside_graph():
+            return fa_decode_graph(q_lat, q_pe, kv_latent, k_rot, mask, backend, scale)
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
     return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, mask, scale)

@@ -14,8 +14,12 @@ is kept for the process, so its internal integer workspace is allocated once, no
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import logging
+import weakref
 
 import torch
+from torch._guards import TracingContext
 
 from .buffers import workspace_buffer
 from .metadata import StepPlan
@@ -134,6 +138,40 @@ class _GraphWrapper:
 
 
 _graph_wrappers: dict[tuple, _GraphWrapper] = {}
+# Graphs (by their dynamo tracing context) that build the attention mask themselves: nothing plans their graph
+# wrappers before a replay, so their decode must not use them (see `mask_planned_outside_graph`).
+_graphs_building_masks: "weakref.WeakSet" = weakref.WeakSet()
+
+
+# Both run as plain Python while dynamo traces (their results are constants of the graph).
+@torch.compiler.assume_constant_result
+def note_mask_built_in_graph() -> bool:
+    """Called by the mask function while dynamo traces it (a user compiled the model's forward itself)."""
+    context = TracingContext.try_get()
+    if context is not None:
+        _graphs_building_masks.add(context)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def mask_planned_outside_graph() -> bool:
+    """Whether the graph being traced receives its mask from outside (as generate() does with a static cache, after
+    planning it eagerly each step). Graphs that build their own mask get the reference backend instead: a replayed
+    CUDA graph would otherwise run on the metadata of the step it was captured at."""
+    context = TracingContext.try_get()
+    outside = context is None or context not in _graphs_building_masks
+    if not outside:
+        _warn_graph_mask()
+    return outside
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_graph_mask() -> None:
+    logging.getLogger("hf_flashinfer_mla").warning(
+        "flashinfer_mla: this compiled graph builds its own attention mask, so FlashInfer cannot be planned before "
+        "each CUDA-graph replay; its decode runs on the PyTorch reference backend. Use generate(..., "
+        'cache_implementation="static"), which compiles the decode step and builds the mask outside the graph.'
+    )
 
 
 def _outside_graph_pool(device: torch.device, build):

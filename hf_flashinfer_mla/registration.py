@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from .attention import MAX_DECODE_QUERY, flashinfer_mla_attention_forward
 from .cache import adopt_latent_layers
-from .flashinfer_fa import plan_graph_wrappers
+from .flashinfer_fa import note_mask_built_in_graph, plan_graph_wrappers
 from .metadata import attach_plan
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
 
@@ -58,9 +58,12 @@ def flashinfer_mla_mask(
         allow_is_causal_skip=allow_is_causal_skip and not decode,
         **kwargs,
     )
-    if decode and mask is not None and not torch.compiler.is_compiling():
-        mask = mask.contiguous()
-        plan_graph_wrappers(attach_plan(mask))
+    if decode and mask is not None:
+        if torch.compiler.is_compiling():
+            note_mask_built_in_graph()
+        else:
+            mask = mask.contiguous()
+            plan_graph_wrappers(attach_plan(mask))
     return mask
 
 

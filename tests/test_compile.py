@@ -40,3 +40,24 @@ def test_graph_custom_op_is_registered_with_a_fake_implementation():
                  torch.empty(2, 1, 9, 64, dtype=torch.bfloat16), torch.empty(2, 1, 1, 9, dtype=torch.bool), "fa3",
                  0.1)
     assert out.shape == q.shape and out.dtype == q.dtype
+
+
+def test_graphs_that_build_their_own_mask_do_not_use_graph_wrappers():
+    # A user-compiled forward traces the mask function: nothing would re-plan FlashInfer before a CUDA-graph replay,
+    # so such graphs must take the reference path. generate()'s static-cache graphs get the mask from outside.
+    from hf_flashinfer_mla.flashinfer_fa import mask_planned_outside_graph, note_mask_built_in_graph
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def builds_mask(x):
+        note_mask_built_in_graph()
+        return x + 1 if mask_planned_outside_graph() else x - 1
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def receives_mask(x):
+        return x + 1 if mask_planned_outside_graph() else x - 1
+
+    x = torch.zeros(2)
+    assert torch.equal(builds_mask(x), x - 1)
+    assert torch.equal(receives_mask(x), x + 1)
