@@ -43,7 +43,9 @@ def copy_bandwidth(device, gib=4, reps=10):
     return 2 * gib * 2**30 / statistics.median(times[2:])  # bytes read + written per second
 
 
+@torch.no_grad()
 def run(model, attn, compiled, args, device):
+    torch._dynamo.reset()
     model.set_attn_implementation(attn)
     cfg = model.config
     cache = StaticCache(config=cfg, max_cache_len=args.context + args.warmup + args.steps + 8)
