@@ -50,15 +50,34 @@ def cache_rows(latent: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def csr_metadata(valid: torch.Tensor, pitch: int, q_len: int):
-    """Page-size-1 CSR metadata for the positions marked in ``valid [B, S]``."""
-    b = valid.shape[0]
+    """Page-size-1 CSR metadata for the positions marked in ``valid [B, S]``.
+
+    Returns ``qo_indptr``, ``kv_indptr`` and the KV lengths on the host (FlashInfer's planner reads them there)
+    and ``kv_indices`` on ``valid``'s device, at the cost of one device-to-host copy of ``B`` lengths. Rows whose
+    valid positions form one run (left padding, a static cache's unfilled tail: every mask Transformers builds)
+    are indexed arithmetically; any other pattern goes through ``nonzero``.
+    """
+    b, s = valid.shape
+    device = valid.device
     lens = valid.sum(-1, dtype=torch.int32)
-    batch_idx, pos = valid.nonzero(as_tuple=True)
-    kv_indices = (batch_idx * pitch + pos).to(torch.int32)
-    kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=valid.device)
-    kv_indptr[1:] = lens.cumsum(0)
-    qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=valid.device) * q_len
-    return qo_indptr, kv_indptr, kv_indices, lens
+    first = valid.int().argmax(-1)  # 0 for an empty row, whose length is 0 anyway
+    last = s - 1 - valid.flip(-1).int().argmax(-1)
+    one_run = (lens == 0) | (last - first + 1 == lens)
+    host = torch.stack([lens, one_run.int()]).cpu()  # the one synchronisation of the step's planning
+    lens_host = host[0]
+    kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
+    kv_indptr[1:] = lens_host.cumsum(0)
+    qo_indptr = torch.arange(b + 1, dtype=torch.int32) * q_len
+    if bool(host[1].all()):
+        total = int(kv_indptr[-1])
+        p = torch.arange(total, device=device, dtype=torch.int64)
+        starts = kv_indptr.to(device, non_blocking=True).long()
+        row = torch.searchsorted(starts[1:], p, right=True)
+        kv_indices = (row * pitch + first.long()[row] + p - starts[row]).to(torch.int32)
+    else:
+        batch_idx, pos = valid.nonzero(as_tuple=True)
+        kv_indices = (batch_idx * pitch + pos).to(torch.int32)
+    return qo_indptr, kv_indptr, kv_indices, lens_host
 
 
 def plan_wrapper(wrapper, plan: StepPlan, device, pitch, num_heads, dtype, rank, rope, scale) -> None:
