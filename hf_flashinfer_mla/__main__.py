@@ -42,24 +42,24 @@ def main(argv=None) -> None:
     print(f"requested backend: {requested} (${dispatch.ENV_VAR} or mla_backend=...)")
     print(f"latent: kv_lora_rank {args.kv_lora_rank} + rope {args.rope_dim}\n")
     print(f"{'dtype':<16}" + "".join(f"{h:>12}" for h in HEADS))
-    reasons = {}
+    notes = []
     for dtype in DTYPES:
         row = []
         for h in HEADS:
             try:
-                chosen = dispatch.choose_backend(device, dtype, args.kv_lora_rank, args.rope_dim, h, requested)
+                row.append(dispatch.choose_backend(device, dtype, args.kv_lora_rank, args.rope_dim, h, requested))
             except dispatch.BackendUnavailableError as exc:
-                chosen = "error"
-                reasons[(dtype, h)] = str(exc)
-            row.append(chosen)
-            if chosen == "reference" and requested == "auto":
-                pref = dispatch.preferred_kernel(dispatch.device_capability(device), h) if device.type == "cuda" else None
-                why = dispatch.unavailable_reason(pref or "fa2", device, dtype, args.kv_lora_rank, args.rope_dim, h)
-                reasons.setdefault(("reference", dtype), why)
-        print(f"{str(dtype).replace('torch.', ''):<16}" + "".join(f"{c:>12}" for c in row))
-    for key, why in reasons.items():
-        if why:
-            print(f"  {key[0] if isinstance(key[0], str) else key[0]} / {key[1]}: {why}")
+                row.append("error")
+                notes.append(f"{dtype} / {h} heads: {exc}")
+        name = str(dtype).replace("torch.", "")
+        print(f"{name:<16}" + "".join(f"{c:>12}" for c in row))
+        if "reference" in row and requested == "auto":
+            cc = dispatch.device_capability(device)
+            kernel = (dispatch.preferred_kernel(cc, HEADS[0]) if cc else None) or "fa2"
+            why = dispatch.unavailable_reason(kernel, device, dtype, args.kv_lora_rank, args.rope_dim, HEADS[0])
+            notes.append(f"{name}: reference because {why}")
+    for note in dict.fromkeys(notes):
+        print(f"  {note}")
 
 
 if __name__ == "__main__":

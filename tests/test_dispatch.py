@@ -346,3 +346,15 @@ def test_requested_then_choose_env_forced_unavailable(capability, no_cuda, monke
         choose_backend(GPU, BF16, RANK, ROPE, 128, requested=requested_backend())
     # ... and the call-time value overrides it.
     assert choose_backend(GPU, BF16, RANK, ROPE, 128, requested=requested_backend("fa2")) == "fa2"
+
+
+def test_environment_report_prints_the_backend_table(capsys):
+    from hf_flashinfer_mla.__main__ import main
+
+    main(["--device", "cpu", "--kv-lora-rank", "256", "--rope-dim", "32"])
+    out = capsys.readouterr().out
+    assert "transformers" in out and "flashinfer-python" in out
+    assert "kv_lora_rank 256 + rope 32" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("bfloat16", "float16", "float32"))]
+    assert len(rows) == 3 and all(set(r[1:]) == {"reference"} for r in rows)
+    assert "reference because it needs an NVIDIA GPU" in out
