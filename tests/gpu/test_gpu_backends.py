@@ -254,6 +254,14 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs():
                                     output_logits=True, return_dict_in_generate=True)
     err = rel(torch.stack(runs["reduce-overhead"].logits), torch.stack(runs["default"].logits))
     print(f"generate with CUDA graphs vs compiled without: logits rel err {err:.2e}")
+    # No recompilation per step or per call: a further 24-step generate compiles no new graph.
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                           cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(again, runs["reduce-overhead"].sequences)
     assert torch.equal(runs["reduce-overhead"].sequences, runs["default"].sequences)
     assert err < 1e-3
     del model
