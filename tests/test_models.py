@@ -188,3 +188,33 @@ def test_generate_uses_latent_cache_by_default_and_accepts_explicit_caches():
     model.set_attn_implementation("sdpa")
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
     assert not any(isinstance(layer, hf_flashinfer_mla.MLALatentLayer) for layer in out.cache.layers)
+
+
+def test_right_padded_batch_matches_eager_alone():
+    # Right padding leaves a hole between the prompt and the generated tokens: the decode mask is not one run.
+    model = make_model("deepseek_v3")
+    lengths = (7, 4, 9)
+    _, _, prompts = left_padded_batch(lengths=lengths)
+    width = max(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)], mask[i, : len(p)] = p, 1
+    forced = torch.randint(1, VOCAB, (len(prompts), 5), generator=torch.Generator().manual_seed(6))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=model.config),
+                use_cache=True)
+    pos = mask.sum(-1, keepdim=True) - 1
+    ours = []
+    for t in range(forced.shape[1]):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+        pos = pos + 1
+        out = model(input_ids=forced[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=out.cache,
+                    use_cache=True)
+        ours.append(out.logits[:, -1])
+    ours = torch.stack(ours, 1)
+    model.set_attn_implementation("eager")
+    for i, p in enumerate(prompts):
+        ref = _teacher_forced_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced[i : i + 1],
+                                     DynamicCache(config=model.config))
+        assert rel_err(ours[i], ref[0]) < TOL
