@@ -17,7 +17,7 @@ def step_ms(attn, backend, B, S, n=20, prof=False):
     kw = dict(mla_backend=backend) if backend else {}
     ts = []
     with torch.no_grad():
-        for i in range(n + 3):
+        for _ in range(n + 3):
             torch.cuda.synchronize(); t = time.perf_counter()
             model(input_ids=tok, attention_mask=mask, cache=cache, use_cache=True, **kw)
             torch.cuda.synchronize(); ts.append(time.perf_counter() - t); cache.crop(-1)
