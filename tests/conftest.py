@@ -10,11 +10,10 @@ import hf_flashinfer_mla  # noqa: F401  (registers "flashinfer_mla")
 
 VOCAB = 97
 
-_COMMON = dict(
+COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=96,
-    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=4,
     max_position_embeddings=256,
@@ -22,6 +21,7 @@ _COMMON = dict(
     pad_token_id=0,
     bos_token_id=None,
 )
+_COMMON = dict(**COMMON, num_hidden_layers=2)
 _MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1)
 
 # model_type -> (config class, kwargs). The attention dims are small but keep each family's structure: V2 without
@@ -78,6 +78,34 @@ def left_padded_batch(seed: int = 1, lengths=(7, 4, 9)):
         ids[i, width - len(p):] = p
         mask[i, width - len(p):] = 1
     return ids, mask, prompts
+
+
+def generate_alone_with_eager(model, prompts, new_tokens: int):
+    """Tokens and per-step logits of each prompt generated on its own with eager attention (the oracle)."""
+    model.set_attn_implementation("eager")
+    try:
+        runs = [
+            model.generate(input_ids=p[None], max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)
+            for p in prompts
+        ]
+    finally:
+        model.set_attn_implementation("flashinfer_mla")
+    return [r.sequences[0, -new_tokens:] for r in runs], [torch.cat(r.logits) for r in runs]
+
+
+def teacher_forced_logits(model, ids, mask, forced, cache):
+    """Prefill `ids`, then feed `forced` [B, T] one token per step; returns logits [B, T, V] of the decode steps."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    steps = []
+    for t in range(forced.shape[1]):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+        pos = pos[:, -1:] + 1
+        out = model(input_ids=forced[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=out.cache,
+                    use_cache=True)
+        steps.append(out.logits[:, -1])
+    return torch.stack(steps, dim=1)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, left_padded_batch, make_model, rel_err
+from conftest import VOCAB, generate_alone_with_eager, left_padded_batch, make_model, rel_err, teacher_forced_logits
 from transformers import DynamicCache, StaticCache
 
 import hf_flashinfer_mla
@@ -16,22 +16,6 @@ from hf_flashinfer_mla import metadata
 
 NEW_TOKENS = 6
 TOL = 1e-6
-
-
-def eager_alone(model, prompts, **gen_kwargs):
-    """Tokens and per-step logits of each prompt generated on its own with eager attention."""
-    model.set_attn_implementation("eager")
-    try:
-        runs = [
-            model.generate(
-                input_ids=p[None], max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                return_dict_in_generate=True, **gen_kwargs,
-            )
-            for p in prompts
-        ]
-    finally:
-        model.set_attn_implementation("flashinfer_mla")
-    return [r.sequences[0, -NEW_TOKENS:] for r in runs], [torch.cat(r.logits) for r in runs]
 
 
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
@@ -42,25 +26,11 @@ def test_batched_generate_matches_eager_alone(model_type, cache_implementation):
         input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
         return_dict_in_generate=True, cache_implementation=cache_implementation,
     )
-    tokens, logits = eager_alone(model, prompts)
+    tokens, logits = generate_alone_with_eager(model, prompts, NEW_TOKENS)
     for i in range(len(prompts)):
         assert torch.equal(out.sequences[i, -NEW_TOKENS:], tokens[i])
         ours = torch.stack([step[i] for step in out.logits])
         assert rel_err(ours, logits[i]) < TOL
-
-
-def _teacher_forced_logits(model, ids, mask, forced, cache):
-    """Prefill `ids`, then feed `forced` [B, T] one token per step; returns logits [B, T, V] of the decode steps."""
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-    steps = []
-    for t in range(forced.shape[1]):
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-        pos = pos[:, -1:] + 1
-        out = model(input_ids=forced[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=out.cache,
-                    use_cache=True)
-        steps.append(out.logits[:, -1])
-    return torch.stack(steps, dim=1)
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static", "latent"])
@@ -76,10 +46,10 @@ def test_teacher_forced_16_decode_steps(model_type, cache_kind):
             return hf_flashinfer_mla.MLALatentCache(config=model.config)
         return DynamicCache(config=model.config)
 
-    ours = _teacher_forced_logits(model, ids, mask, forced, new_cache(len(prompts)))
+    ours = teacher_forced_logits(model, ids, mask, forced, new_cache(len(prompts)))
     model.set_attn_implementation("eager")
     for i, p in enumerate(prompts):
-        ref = _teacher_forced_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced[i : i + 1],
+        ref = teacher_forced_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced[i : i + 1],
                                      DynamicCache(config=model.config))
         assert rel_err(ours[i], ref[0]) < TOL
 
@@ -215,6 +185,6 @@ def test_right_padded_batch_matches_eager_alone():
     ours = torch.stack(ours, 1)
     model.set_attn_implementation("eager")
     for i, p in enumerate(prompts):
-        ref = _teacher_forced_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced[i : i + 1],
+        ref = teacher_forced_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced[i : i + 1],
                                      DynamicCache(config=model.config))
         assert rel_err(ours[i], ref[0]) < TOL

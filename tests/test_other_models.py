@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, left_padded_batch, rel_err
+from conftest import COMMON, VOCAB, generate_alone_with_eager, left_padded_batch, rel_err, teacher_forced_logits
 from transformers import DynamicCache, StaticCache
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -21,17 +21,7 @@ import hf_flashinfer_mla
 NEW_TOKENS = 6
 TOL = 1e-6
 
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=256,
-    eos_token_id=None,
-    pad_token_id=0,
-    bos_token_id=None,
-)
+
 _MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
 _MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
             topk_group=1)
@@ -54,7 +44,7 @@ _HYBRID_MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_toke
 CONFIGS = {
     "mistral4": (
         "Mistral4ForCausalLM",
-        dict(**{**_COMMON, "max_position_embeddings": 32}, **_MLA, **_MOE, num_hidden_layers=2, q_lora_rank=24,
+        dict(**{**COMMON, "max_position_embeddings": 32}, **_MLA, **_MOE, num_hidden_layers=2, q_lora_rank=24,
              first_k_dense_replace=1,
              rope_parameters={"type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                               "original_max_position_embeddings": 8, "max_position_embeddings": 32, "beta_fast": 32.0,
@@ -68,21 +58,21 @@ CONFIGS = {
     ),
     "youtu": (
         "YoutuForCausalLM",
-        dict(**_COMMON, **_MLA, num_hidden_layers=2, q_lora_rank=24),
+        dict(**COMMON, **_MLA, num_hidden_layers=2, q_lora_rank=24),
     ),
     "kimi_linear": (
         "KimiLinearForCausalLM",
-        dict(**_COMMON, **_MLA, **_HYBRID_MOE, num_hidden_layers=3, q_lora_rank=None,
-             layer_types=["linear_attention", "full_attention", "linear_attention"], linear_head_dim=16,
-             linear_num_heads=4),
+        dict(**COMMON, **_MLA, **_HYBRID_MOE, num_hidden_layers=4, q_lora_rank=None,
+             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+             linear_head_dim=16, linear_num_heads=4),
     ),
     "axk1": (
         "AXK1ForCausalLM",
-        dict(**_COMMON, **_MLA, **_MOE, num_hidden_layers=2, q_lora_rank=24),
+        dict(**COMMON, **_MLA, **_MOE, num_hidden_layers=2, q_lora_rank=24),
     ),
     "bailing_hybrid": (
         "BailingHybridForCausalLM",
-        dict(**_COMMON, **_MLA, **_HYBRID_MOE, num_hidden_layers=4, q_lora_rank=None, layer_group_size=2,
+        dict(**COMMON, **_MLA, **_HYBRID_MOE, num_hidden_layers=4, q_lora_rank=None, layer_group_size=2,
              first_k_dense_replace=1, head_dim=16),
     ),
 }
@@ -119,7 +109,7 @@ def test_tiny_config_keeps_the_family_structure(other_model_type):
     config = model.config
     assert config.model_type == other_model_type
     n_mla = len(mla_layers(model))
-    assert n_mla >= 2
+    assert n_mla >= 2  # more than one MLA layer, so that per-layer cache indexing is exercised
     layer_types = getattr(config, "layer_types", None)
     if other_model_type in ("kimi_linear", "bailing_hybrid"):
         # Hybrid: both MLA (full attention) and KDA (linear attention) layers are present.
@@ -127,20 +117,6 @@ def test_tiny_config_keeps_the_family_structure(other_model_type):
         assert layer_types.count("linear_attention") >= 1
     else:
         assert n_mla == config.num_hidden_layers
-
-
-def _generate_alone_with_eager(model, prompts):
-    """Tokens and per-step logits of each prompt generated on its own with eager attention."""
-    model.set_attn_implementation("eager")
-    try:
-        runs = [
-            model.generate(input_ids=p[None], max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                           return_dict_in_generate=True)
-            for p in prompts
-        ]
-    finally:
-        model.set_attn_implementation("flashinfer_mla")
-    return [r.sequences[0, -NEW_TOKENS:] for r in runs], [torch.cat(r.logits) for r in runs]
 
 
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
@@ -162,25 +138,11 @@ def test_batched_generate_matches_eager_alone(other_model_type, cache_implementa
             h.remove()
     if cache_implementation == "dynamic":
         assert sum(rows) == ids.numel() * len(hooks)
-    tokens, logits = _generate_alone_with_eager(model, prompts)
+    tokens, logits = generate_alone_with_eager(model, prompts, NEW_TOKENS)
     for i in range(len(prompts)):
         assert torch.equal(out.sequences[i, -NEW_TOKENS:], tokens[i])
         ours = torch.stack([step[i] for step in out.logits])
         assert rel_err(ours, logits[i]) < TOL
-
-
-def _teacher_forced_logits(model, ids, mask, forced, cache):
-    """Prefill `ids`, then feed `forced` [B, T] one token per step; returns logits [B, T, V] of the decode steps."""
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-    steps = []
-    for t in range(forced.shape[1]):
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-        pos = pos[:, -1:] + 1
-        out = model(input_ids=forced[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=out.cache,
-                    use_cache=True)
-        steps.append(out.logits[:, -1])
-    return torch.stack(steps, dim=1)
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static", "latent"])
@@ -194,9 +156,9 @@ def test_teacher_forced_decode_matches_eager_alone(other_model_type, cache_kind)
         cache = hf_flashinfer_mla.MLALatentCache(config=model.config)
     else:
         cache = DynamicCache(config=model.config)
-    ours = _teacher_forced_logits(model, ids, mask, forced, cache)
+    ours = teacher_forced_logits(model, ids, mask, forced, cache)
     model.set_attn_implementation("eager")
     for i, p in enumerate(prompts):
-        ref = _teacher_forced_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced[i : i + 1],
+        ref = teacher_forced_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced[i : i + 1],
                                      DynamicCache(config=model.config))
         assert rel_err(ours[i], ref[0]) < TOL
