@@ -22,7 +22,8 @@ COMMON = dict(
     bos_token_id=None,
 )
 _COMMON = dict(**COMMON, num_hidden_layers=2)
-_MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1)
+_MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+            topk_group=1)
 
 # model_type -> (config class, kwargs). The attention dims are small but keep each family's structure: V2 without
 # q_lora; V3 with q_lora, interleaved rope and YaRN scaling (which changes the softmax scale); GLM-4.7-Flash

@@ -141,7 +141,9 @@ def test_auto_float_dtype_falls_back(capability, no_cuda, caplog, cc, dtype):
 
 
 @pytest.mark.parametrize("cc, heads, dtype", [((10, 0), 96, torch.float32), ((10, 3), 24, torch.float64)])
-def test_auto_blackwell_untileable_heads_float_dtype_warns_only_the_fallback(capability, no_cuda, caplog, cc, heads, dtype):
+def test_auto_blackwell_untileable_heads_float_dtype_warns_only_the_fallback(
+    capability, no_cuda, caplog, cc, heads, dtype
+):
     """On Blackwell with a head count trtllm-gen cannot tile, a float32 model still decodes on the reference backend:
     the one warning must say so, not claim that decoding goes to cute-dsl."""
     capability(cc)

@@ -52,7 +52,7 @@ CONFIGS = {
     ),
     "longcat_flash": (
         "LongcatFlashForCausalLM",
-        dict(**{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, **_MLA, num_layers=2, head_dim=8,
+        dict(**{k: v for k, v in COMMON.items() if k != "intermediate_size"}, **_MLA, num_layers=2, head_dim=8,
              q_lora_rank=24, ffn_hidden_size=96, expert_ffn_hidden_size=32, n_routed_experts=4, moe_topk=2,
              zero_expert_num=2),
     ),
