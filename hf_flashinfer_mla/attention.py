@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .absorption import absorb_query, absorbed_weights, project_output
 from .dispatch import backend_for_graph, choose_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
-from .flashinfer_fa import fa_decode_graph, mask_planned_outside_graph
+from .flashinfer_fa import fa_decode, fa_decode_graph, mask_planned_outside_graph
 from .metadata import StepPlan, step_plan
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .reference import mla_attention_reference
@@ -93,8 +93,6 @@ def decode_latent(
     if backend == "reference":
         return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, plan.mask_on(q_lat.device), scale)
     if backend in ("fa3", "fa2"):
-        from .flashinfer_fa import fa_decode
-
         return fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
     from .trtllm import trtllm_decode
 
