@@ -95,6 +95,15 @@ def generate_alone_with_eager(model, prompts, new_tokens: int):
     return [r.sequences[0, -new_tokens:] for r in runs], [torch.cat(r.logits) for r in runs]
 
 
+def assert_batch_matches_eager_alone(model, out, prompts, new_tokens: int, tol: float) -> None:
+    """`out` (a batched generate() with output_logits) equals each prompt generated alone with eager."""
+    tokens, logits = generate_alone_with_eager(model, prompts, new_tokens)
+    for i in range(len(prompts)):
+        assert torch.equal(out.sequences[i, -new_tokens:], tokens[i])
+        ours = torch.stack([step[i] for step in out.logits])
+        assert rel_err(ours, logits[i]) < tol
+
+
 def teacher_forced_logits(model, ids, mask, forced, cache):
     """Prefill `ids`, then feed `forced` [B, T] one token per step; returns logits [B, T, V] of the decode steps."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)

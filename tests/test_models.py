@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, generate_alone_with_eager, left_padded_batch, make_model, rel_err, teacher_forced_logits
+from conftest import (
+    VOCAB, assert_batch_matches_eager_alone, left_padded_batch, make_model, rel_err, teacher_forced_logits,
+)
 from transformers import DynamicCache, StaticCache
 
 import hf_flashinfer_mla
@@ -26,11 +28,7 @@ def test_batched_generate_matches_eager_alone(model_type, cache_implementation):
         input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
         return_dict_in_generate=True, cache_implementation=cache_implementation,
     )
-    tokens, logits = generate_alone_with_eager(model, prompts, NEW_TOKENS)
-    for i in range(len(prompts)):
-        assert torch.equal(out.sequences[i, -NEW_TOKENS:], tokens[i])
-        ours = torch.stack([step[i] for step in out.logits])
-        assert rel_err(ours, logits[i]) < TOL
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, TOL)
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static", "latent"])

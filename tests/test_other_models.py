@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import COMMON, VOCAB, generate_alone_with_eager, left_padded_batch, rel_err, teacher_forced_logits
+from conftest import COMMON, VOCAB, assert_batch_matches_eager_alone, left_padded_batch, rel_err, teacher_forced_logits
 from transformers import DynamicCache, StaticCache
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -138,11 +138,7 @@ def test_batched_generate_matches_eager_alone(other_model_type, cache_implementa
             h.remove()
     if cache_implementation == "dynamic":
         assert sum(rows) == ids.numel() * len(hooks)
-    tokens, logits = generate_alone_with_eager(model, prompts, NEW_TOKENS)
-    for i in range(len(prompts)):
-        assert torch.equal(out.sequences[i, -NEW_TOKENS:], tokens[i])
-        ours = torch.stack([step[i] for step in out.logits])
-        assert rel_err(ours, logits[i]) < TOL
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, TOL)
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static", "latent"])
