@@ -1,21 +1,40 @@
 """Weight absorption: the per-head key and value halves of ``kv_b_proj``.
 
-``kv_b_proj.weight`` is ``[H * (qk_nope + v_head_dim), kv_lora_rank]``; per head the first ``qk_nope`` rows are
-W_UK and the next ``v_head_dim`` rows W_UV. Absorbed decode computes ``q_lat = q_nope @ W_UK`` (a
-``kv_lora_rank``-wide query), attends over the cached latent, and maps the latent output back with W_UV.
+``kv_b_proj`` maps the ``kv_lora_rank``-wide latent to ``H * (qk_nope + v_head_dim)`` values; per head the first
+``qk_nope`` output rows are W_UK and the next ``v_head_dim`` rows W_UV. Absorbed decode computes
+``q_lat = q_nope @ W_UK`` (a ``kv_lora_rank``-wide query), attends over the cached latent, and maps the latent
+output back with W_UV.
 
-The halves are *views* of the live weight, so they can never go stale; what is cached per module is only the
-bookkeeping (head count, dims), keyed by the weight's identity, version, device and dtype so that ``.to()``,
-``load_state_dict`` or an in-place edit re-derive it. The head count comes from the weight's shape, so a
-tensor-parallel shard of ``kv_b_proj`` (fewer heads per rank) works unchanged.
+Where the dense matrix comes from:
+
+* A plain ``nn.Linear`` (bf16/fp16/fp32 checkpoints): W_UK and W_UV are *views of the live weight*, sliced on every
+  call (free). Nothing is cached, so they are never stale, gradients reach ``kv_b_proj.weight`` exactly as with
+  sdpa, and ``.to()``/``deepcopy``/``save_pretrained`` see only the model's own tensors. Under tensor parallelism
+  the weight is a DTensor; its local shard (this rank's heads) is used.
+* Any other module (FP8, bitsandbytes, GPTQ/AWQ, compressed-tensors, a custom linear, a PEFT adapter): the dense
+  matrix is derived once, in the activation dtype, with the quantizer's own dequantize function where there is one
+  (`DEQUANTIZERS`) and otherwise format-blind, by running the module on the identity basis of its input width
+  (``proj(I) - proj(0)`` is exactly ``W^T``). The copy is a non-persistent buffer of ``kv_b_proj``: it moves with
+  ``.to()``, is never saved, and is re-derived when any parameter or buffer of the module changes (identity or
+  version), so it can never be stale. It costs ``rows * kv_lora_rank`` activation-dtype values per layer (32 MiB
+  per layer for DeepSeek-V3 in bf16), paid only by layers that decode. Such a module gives no absorbed path when
+  its parameters need gradients, or when its forward is not linear (dropout in train mode, say): the attention
+  then expands the latent through the module itself, as sdpa does (`absorbed_weights` returns None).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import transformers.utils.logging  # noqa: F401  (adds `info_once` to loggers)
 from torch import nn
+
+logger = logging.getLogger("hf_flashinfer_mla")
+
+_DENSE = "_flashinfer_mla_dense"  # buffer name on kv_b_proj: [rows, rank] (+1 row: the bias) in the activation dtype
 
 
 @dataclass(frozen=True)
@@ -24,47 +43,140 @@ class AbsorbedWeights:
     w_uv: torch.Tensor  # [H, v_head_dim, kv_lora_rank]
     v_bias: torch.Tensor | None  # [H, v_head_dim]; a key bias cancels in the softmax
     num_heads: int
-    key: tuple
 
 
-def _weight_key(weight: torch.Tensor) -> tuple:
-    # Inference-mode tensors carry no version counter (and cannot be edited in place outside inference mode).
-    version = None if weight.is_inference() else weight._version
-    return (weight.data_ptr(), version, weight.device, weight.dtype, tuple(weight.shape))
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The local shard of a DTensor (tensor parallelism), any other tensor unchanged (differentiable)."""
+    return t.to_local() if t is not None and hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
-def absorbed_weights(module: nn.Module) -> AbsorbedWeights:
-    """Return W_UK / W_UV of `module.kv_b_proj`, derived once and re-derived only when the weight changes."""
-    if torch.compiler.is_compiling():
-        # Inside a compiled graph the views are traced (and free); the bookkeeping cache is for eager mode.
-        return _split(module, key=None)
-    key = _weight_key(module.kv_b_proj.weight)
-    cached = getattr(module, "_flashinfer_mla_absorbed", None)
-    if cached is not None and cached.key == key:
-        return cached
-    absorbed = _split(module, key)
-    module._flashinfer_mla_absorbed = absorbed
-    return absorbed
+def _is_plain_linear(proj: nn.Module) -> bool:
+    return type(proj) is nn.Linear and proj.weight.is_floating_point() and proj.weight.element_size() > 1
 
 
-def _split(module: nn.Module, key) -> AbsorbedWeights:
+def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights | None:
+    """W_UK / W_UV of ``module.kv_b_proj`` in `dtype`, or None where the latent must be expanded instead.
+
+    Call once per layer and step: for a plain linear it only slices the live weight.
+    """
     proj = module.kv_b_proj
-    weight = proj.weight
+    if _is_plain_linear(proj):
+        return _split(module, _local(proj.weight), _local(proj.bias))
+    if torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters()):
+        return None  # a derived copy would carry no gradient to the module's own parameters
+    dense = _dense_copy(proj, module.kv_lora_rank, dtype)
+    if dense is None:
+        return None
+    weight, bias = dense
+    return _split(module, weight, bias)
+
+
+def _split(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> AbsorbedWeights:
     nope, v_dim = module.qk_nope_head_dim, module.v_head_dim
     rows, rank = weight.shape
     if rows % (nope + v_dim):
         raise ValueError(
-            f"kv_b_proj.weight has {rows} rows, not a multiple of qk_nope_head_dim + v_head_dim = {nope + v_dim}; "
+            f"kv_b_proj maps to {rows} values, not a multiple of qk_nope_head_dim + v_head_dim = {nope + v_dim}; "
             "cannot split it into per-head key and value projections."
         )
     num_heads = rows // (nope + v_dim)
-    per_head = weight.view(num_heads, nope + v_dim, rank)
-    v_bias = None
-    if proj.bias is not None:
-        v_bias = proj.bias.view(num_heads, nope + v_dim)[:, nope:]
-    return AbsorbedWeights(per_head[:, :nope], per_head[:, nope:], v_bias, num_heads, key)
+    per_head = weight.unflatten(0, (num_heads, nope + v_dim))
+    v_bias = None if bias is None else bias.unflatten(0, (num_heads, nope + v_dim))[:, nope:]
+    return AbsorbedWeights(per_head[:, :nope], per_head[:, nope:], v_bias, num_heads)
 
 
+# ------------------------------------------------------------------------------------------------- derived copies
+def _dequantize_fp8(proj: nn.Module, dtype: torch.dtype):
+    # Transformers' own dequantization of its FP8Linear (block or per-tensor scales), as its backward uses.
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    return _dequantize_fp8_weight(proj.weight, proj.weight_scale_inv, proj.block_size, dtype), proj.bias
+
+
+def _dequantize_bnb_4bit(proj: nn.Module, dtype: torch.dtype):
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_4bit(proj.weight.data, proj.weight.quant_state).to(dtype), proj.bias
+
+
+# Quantized linear class name -> its library's dequantization. Everything else goes through the identity basis.
+DEQUANTIZERS: dict[str, Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]]] = {
+    "FP8Linear": _dequantize_fp8,
+    "Linear4bit": _dequantize_bnb_4bit,
+}
+
+
+def _source_key(proj: nn.Module, dtype: torch.dtype) -> tuple:
+    """Identity and version of everything the module computes with: any change (``load_state_dict``, ``.to()``,
+    an optimizer step, a copy of the module) re-derives the dense copy."""
+    tensors = [t for n, t in proj.named_parameters()] + [t for n, t in proj.named_buffers() if not n.endswith(_DENSE)]
+    return (
+        dtype,
+        tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in tensors),
+        tuple(m.training for m in proj.modules()),
+    )
+
+
+@torch.no_grad()
+def _dense_copy(proj: nn.Module, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    key = _source_key(proj, dtype)
+    cached = getattr(proj, _DENSE, None)
+    if cached is not None and getattr(proj, "_flashinfer_mla_dense_key", None) == key:
+        return _unpack(cached, proj)
+    dequantize = DEQUANTIZERS.get(type(proj).__name__)
+    if dequantize is not None:
+        weight, bias = dequantize(proj, dtype)
+    else:
+        derived = _from_identity_basis(proj, rank, dtype)
+        if derived is None:
+            return None
+        weight, bias = derived
+    weight = _local(weight).to(dtype)
+    bias = None if bias is None else _local(bias).to(dtype)
+    packed = weight if bias is None else torch.cat([weight, bias[:, None]], dim=1)
+    proj.register_buffer(_DENSE, packed.contiguous(), persistent=False)
+    proj._flashinfer_mla_dense_has_bias = bias is not None
+    proj._flashinfer_mla_dense_key = _source_key(proj, dtype)  # the buffer itself is excluded from the key
+    logger.info_once(  # Transformers' logging adds info_once to every logger; one line per format and size
+        f"flashinfer_mla: absorbed decode keeps a dense {dtype} copy of each {type(proj).__name__} kv_b_proj "
+        f"({packed.numel() * packed.element_size() / 2**20:.1f} MiB per layer that decodes)."
+    )
+    return _unpack(packed, proj)
+
+
+def _unpack(packed: torch.Tensor, proj: nn.Module):
+    if proj._flashinfer_mla_dense_has_bias:
+        return packed[:, :-1], packed[:, -1]
+    return packed, None
+
+
+def _from_identity_basis(proj: nn.Module, rank: int, dtype: torch.dtype):
+    """``W^T = proj(I) - proj(0)`` for a module whose forward is linear in its input, checked on random inputs."""
+    device = next((t.device for t in proj.parameters()), torch.device("cpu"))
+    # A private generator: the probe must not advance the user's random state (sampling would then differ).
+    random = torch.randn(2, rank, generator=torch.Generator().manual_seed(0))
+    probe = torch.cat([torch.eye(rank), torch.zeros(1, rank), random]).to(device, dtype)
+    out = proj(probe)
+    again = proj(probe)
+    weight_t, bias = out[:rank] - out[rank], out[rank]
+    x = probe[rank + 1:]
+    expected = x @ weight_t + bias
+    # Loose enough for modules that quantize their activations (W8A8), tight enough for anything non-linear.
+    tol = {torch.float64: 1e-9, torch.float32: 1e-3}.get(dtype, 1e-1)
+    err = ((out[rank + 1:] - expected).float().norm() / expected.float().norm().clamp_min(1e-30)).item()
+    if not torch.equal(out, again) or not err < tol:
+        logger.warning(
+            "flashinfer_mla: kv_b_proj (%s) is not a linear function of its input here (relative error %.1e, or "
+            "non-deterministic: dropout in train mode?), so its weights cannot be absorbed; decode expands the latent "
+            "through the module itself, as sdpa does. Call model.eval() for absorbed decode.",
+            type(proj).__name__, err,
+        )
+        return None
+    has_bias = bool(bias.abs().max() > 0)
+    return weight_t.t(), bias if has_bias else None
+
+
+# ------------------------------------------------------------------------------------------------- the two GEMMs
 def absorb_query(q_nope: torch.Tensor, weights: AbsorbedWeights) -> torch.Tensor:
     """``[B, H, Sq, qk_nope]`` -> latent query ``[B, H, Sq, kv_lora_rank]`` (one batched GEMM over heads)."""
     b, h, s, d = q_nope.shape

@@ -48,8 +48,10 @@ def flashinfer_mla_attention_forward(
             "attention module (no kv_b_proj/expand_kv, or a sparse DSA indexer). Use sdpa or eager for this module."
         )
     kv_latent, k_rot = _check_latent(module, key, value)
-    q_len = query.shape[2]
-    if q_len > MAX_DECODE_QUERY or (module.training and dropout > 0):
+    weights = None
+    if query.shape[2] <= MAX_DECODE_QUERY and not (module.training and dropout > 0):
+        weights = absorbed_weights(module, query.dtype)
+    if weights is None:  # prefill, training with dropout, or a kv_b_proj that cannot be absorbed
         key_states, value_states = original_expand_kv(module)(kv_latent, k_rot)
         return sdpa_attention_forward(
             module, query, key_states, value_states, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -61,11 +63,10 @@ def flashinfer_mla_attention_forward(
             "are not supported: use generate() with the default DynamicCache or cache_implementation='static'."
         )
     scale = scaling if scaling is not None else module.qk_head_dim**-0.5
-    weights = absorbed_weights(module)
     if query.shape[1] != weights.num_heads:
         raise ValueError(
-            f"query has {query.shape[1]} heads but kv_b_proj holds {weights.num_heads}; the two projections must be "
-            "sharded the same way."
+            f"query has {query.shape[1]} heads but kv_b_proj holds {weights.num_heads}: q_b_proj/q_proj and "
+            "kv_b_proj must be sharded the same way (both column-wise by heads under tensor parallelism)."
         )
     q_nope, q_pe = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     q_lat = absorb_query(q_nope, weights)

@@ -1,0 +1,326 @@
+"""Absorbed weights: never stale, never detached from autograd, never pinned to an old device (issue 7), and derived
+for every kv_b_proj Transformers can load: FP8 (block and per-tensor), custom linears, bitsandbytes (issue 8).
+
+Oracle: the same model (same quantized weights) run with Transformers' ``eager``; CPU, float64/float32.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_batch_matches_eager_alone, left_padded_batch, make_model, rel_err, teacher_forced_logits
+from torch import nn
+from transformers import DynamicCache
+from transformers.integrations import finegrained_fp8
+
+from hf_flashinfer_mla import absorption, reference
+
+NEW_TOKENS = 6
+
+
+def _attention_modules(model):
+    return [m for m in model.modules() if hasattr(m, "kv_b_proj")]
+
+
+def _count_reference_calls(monkeypatch):
+    """Count absorbed decode calls (on the CPU every absorbed decode runs the reference backend)."""
+    calls = []
+    real = reference.mla_attention_reference
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "mla_attention_reference", counted)
+    from hf_flashinfer_mla import attention
+
+    monkeypatch.setattr(attention, "mla_attention_reference", counted)
+    return calls
+
+
+# ------------------------------------------------------------------------------------------- issue 7: reliability
+def _train_steps(model, ids, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    grads = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads.append([m.kv_b_proj.weight.grad.clone() for m in _attention_modules(model)])
+        opt.step()
+    return grads
+
+
+def test_training_after_no_grad_forward_matches_eager(monkeypatch):
+    """A validation pass or generate() first, then training on a short batch (<= 8 tokens: the absorbed path):
+    kv_b_proj gets the same gradients as with eager, and three SGD steps later the models agree."""
+    ids = torch.randint(1, 90, (2, 6), generator=torch.Generator().manual_seed(3))
+    models = {attn: make_model("deepseek_v3", attn=attn) for attn in ("flashinfer_mla", "eager")}
+    for model in models.values():
+        model.generate(input_ids=ids[:, :4], max_new_tokens=3, do_sample=False)  # under no_grad
+        model.train()
+    calls = _count_reference_calls(monkeypatch)
+    ours, theirs = (_train_steps(models[a], ids) for a in ("flashinfer_mla", "eager"))
+    assert calls, "the training forward did not take the absorbed path"
+    for g_ours, g_eager in zip(ours, theirs):
+        for a, b in zip(g_ours, g_eager):
+            assert rel_err(a, b) < 1e-6  # float64 model, float32 RMSNorm inside
+    for (name, p), q in zip(models["flashinfer_mla"].named_parameters(), models["eager"].parameters()):
+        assert rel_err(p, q) < 1e-6 or (q.norm() == 0 and p.norm() == 0), name
+
+
+def test_deepcopy_and_torch_save_after_training_and_generate():
+    model = make_model("deepseek_v2")
+    ids, mask, _ = left_padded_batch(lengths=(4, 6))
+    model.train()
+    model(input_ids=ids[:, -5:], labels=ids[:, -5:], use_cache=False).loss.backward()
+    copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
+    model.eval()
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    twin = copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(twin.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False), out)
+
+
+def _extra_tensors(model):
+    """Tensors a module holds outside its parameters and buffers (what `.to()` would not move)."""
+    found = []
+    for name, m in model.named_modules():
+        for attr, value in vars(m).items():
+            values = value.values() if isinstance(value, dict) else [value]
+            if dataclasses.is_dataclass(value):
+                values = [getattr(value, f.name) for f in dataclasses.fields(value)]
+            if attr in ("_parameters", "_buffers"):
+                continue
+            found += [f"{name}.{attr}" for v in values if isinstance(v, torch.Tensor)]
+    return found
+
+
+def test_nothing_outlives_to_and_weights_never_go_stale():
+    model = make_model("deepseek_v3")
+    ids, mask, prompts = left_padded_batch(lengths=(5, 3))
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert _extra_tensors(model) == []
+    # An in-place edit and a load_state_dict are seen by the very next decode step.
+    with torch.no_grad():
+        for m in _attention_modules(model):
+            m.kv_b_proj.weight.mul_(1.5)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
+    state = {k: v * 0.5 if "kv_b_proj" in k else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
+    model.to(torch.float32)
+    model.to("meta")
+    assert all(t.device.type == "meta" for t in model.state_dict().values())
+    assert _extra_tensors(model) == []
+
+
+def test_multi_token_decode_takes_the_absorbed_path(monkeypatch):
+    """2..8 query tokens per sequence after a prefill (assisted decoding) run absorbed and match eager."""
+    model = make_model("deepseek_v2")
+    ids, mask, _ = left_padded_batch(lengths=(9, 9, 9))  # eager gives NaN on padded float64 rows: no padding here
+    extra = torch.randint(1, 90, (3, 5), generator=torch.Generator().manual_seed(9))
+    full_mask = torch.cat([mask, torch.ones_like(extra)], dim=-1)
+    pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = {}
+    for attn in ("flashinfer_mla", "eager"):
+        model.set_attn_implementation(attn)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos[:, : ids.shape[1]], cache=cache)
+        calls = _count_reference_calls(monkeypatch)
+        logits[attn] = model(input_ids=extra, attention_mask=full_mask, position_ids=pos[:, ids.shape[1]:],
+                             cache=cache).logits
+        if attn == "flashinfer_mla":
+            assert len(calls) == model.config.num_hidden_layers
+        monkeypatch.undo()
+    assert rel_err(logits["flashinfer_mla"], logits["eager"]) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------- issue 8: quantized
+def _fake_fp8_linear(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None,
+                     allow_deepgemm=True):
+    # What Transformers' FP8 kernel (a Hub kernel, absent offline) computes, up to its activation rounding.
+    w = finegrained_fp8._dequantize_fp8_weight(weight, weight_scale_inv, block_size, input.dtype)
+    return F.linear(input, w, None if bias is None else bias.to(input.dtype))
+
+
+def to_fp8_linear(linear: nn.Linear, block_size) -> nn.Module:
+    """An `FP8Linear` holding `linear`'s weight quantized to float8_e4m3fn, per [block] or per tensor."""
+    w = linear.weight.detach().float()
+    out_f, in_f = w.shape
+    q = finegrained_fp8.FP8Linear(in_f, out_f, block_size=block_size, has_bias=linear.bias is not None)
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    if block_size is None:
+        scale = w.abs().max() / fmax
+        q.weight.data = (w / scale).to(torch.float8_e4m3fn)
+        q.weight_scale_inv.data = scale.reshape(())
+    else:
+        bo, bi = block_size
+        blocks = w.reshape(out_f // bo, bo, in_f // bi, bi)
+        scale = blocks.abs().amax(dim=(1, 3)) / fmax
+        q.weight.data = (blocks / scale[:, None, :, None]).reshape(out_f, in_f).to(torch.float8_e4m3fn)
+        q.weight_scale_inv.data = scale
+    if linear.bias is not None:
+        q.bias.data = linear.bias.detach().clone()
+    return q.requires_grad_(False)
+
+
+class GainLinear(nn.Linear):
+    """A custom linear subclass (weight-norm-like gain), derived through the identity basis."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         dtype=linear.weight.dtype)
+        self.load_state_dict(linear.state_dict())
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, linear.out_features, dtype=linear.weight.dtype))
+
+    def forward(self, x):
+        return F.linear(x, self.weight * self.gain[:, None], self.bias)
+
+
+class CurvedLinear(nn.Linear):
+    """Not linear in its input: must be detected and expanded through the module, never absorbed."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) + 0.05 * (x[..., :1] ** 2)
+
+
+QUANTIZED = {
+    "fp8-block": lambda lin: to_fp8_linear(lin, [16, 16]),
+    "fp8-tensor": lambda lin: to_fp8_linear(lin, None),
+    "custom-linear": lambda lin: GainLinear(lin).requires_grad_(False),
+}
+
+
+def _quantized_model(kind, model_type="deepseek_v3", **overrides):
+    model = make_model(model_type, dtype=torch.float32, **overrides)
+    for m in _attention_modules(model):
+        m.kv_b_proj = QUANTIZED[kind](m.kv_b_proj)
+    return model
+
+
+@pytest.fixture
+def fp8_kernel(monkeypatch):
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", _fake_fp8_linear)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", list(QUANTIZED))
+def test_quantized_kv_b_proj_matches_eager(kind, cache, fp8_kernel, monkeypatch):
+    model = _quantized_model(kind, attention_bias=kind == "custom-linear")
+    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
+    calls = _count_reference_calls(monkeypatch)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True,
+                         **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert calls, "decode did not take the absorbed path"
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-4)
+
+
+def test_dense_copy_lifecycle(fp8_kernel, caplog):
+    """Derived only for layers that decode, logged once at INFO, moved by .to(), never saved, re-derived on change."""
+    model = _quantized_model("fp8-block")
+    ids, mask, prompts = left_padded_batch(lengths=(12, 9))
+    model(input_ids=ids, attention_mask=mask)  # a prefill (> 8 tokens) only: nothing derived
+    assert not any(n.endswith(absorption._DENSE) for n, _ in model.named_buffers())
+    logging.Logger.info_once.cache_clear()  # Transformers' once-only logging: forget earlier tests' lines
+    with caplog.at_level(logging.INFO, logger="hf_flashinfer_mla"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert sum("dense" in r.message for r in caplog.records) == 1
+    dense = [n for n, _ in model.named_buffers() if n.endswith(absorption._DENSE)]
+    assert len(dense) == len(_attention_modules(model))
+    assert not any(absorption._DENSE in k for k in model.state_dict())
+    # A changed scale is seen by the next decode step.
+    with torch.no_grad():  # (an edit through `.data` bypasses the version counter, and with it this check)
+        for m in _attention_modules(model):
+            m.kv_b_proj.weight_scale_inv.mul_(1.25)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-4)
+    copy.deepcopy(model)
+    model.to("meta")
+    assert all(b.device.type == "meta" for _, b in model.named_buffers())
+    assert _extra_tensors(model) == []
+
+
+def test_non_linear_kv_b_proj_is_expanded_with_one_warning(monkeypatch, caplog):
+    model = make_model("deepseek_v2", dtype=torch.float64)
+    for m in _attention_modules(model):
+        curved = CurvedLinear(m.kv_b_proj.in_features, m.kv_b_proj.out_features, bias=False, dtype=torch.float64)
+        curved.load_state_dict(m.kv_b_proj.state_dict())
+        m.kv_b_proj = curved.requires_grad_(False)
+    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
+    calls = _count_reference_calls(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    assert not calls
+    assert sum("not a linear function" in r.message for r in caplog.records) >= 1
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
+
+
+def test_dropout_in_train_mode_is_detected():
+    """A PEFT-style adapter with dropout, in train mode, under no_grad: non-deterministic, so never absorbed."""
+    model = make_model("deepseek_v2")
+    attn = _attention_modules(model)[0]
+    attn.kv_b_proj = nn.Sequential(attn.kv_b_proj, nn.Dropout(0.1)).requires_grad_(False)
+    attn.kv_b_proj.train()
+    with torch.no_grad():
+        assert absorption.absorbed_weights(attn, torch.float64) is None
+        attn.kv_b_proj.eval()
+        assert absorption.absorbed_weights(attn, torch.float64) is not None
+
+
+def test_trainable_custom_linear_keeps_its_gradient():
+    """A custom linear whose parameters train must not be absorbed through a detached copy."""
+    model = make_model("deepseek_v2")
+    for m in _attention_modules(model):
+        m.kv_b_proj = GainLinear(m.kv_b_proj)
+    ids = torch.randint(1, 90, (2, 6), generator=torch.Generator().manual_seed(3))
+    model.train()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for m in _attention_modules(model):
+        assert m.kv_b_proj.gain.grad is not None and m.kv_b_proj.gain.grad.abs().sum() > 0
+
+
+def test_bitsandbytes_4bit_matches_eager():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    for m in _attention_modules(model):
+        lin = m.kv_b_proj
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.float32,
+                              quant_type="nf4")
+        q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4")
+        try:
+            m.kv_b_proj = q.to("cpu")
+        except Exception as exc:  # bitsandbytes without a CPU backend
+            pytest.skip(f"bitsandbytes cannot quantize on this CPU: {exc}")
+    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-4)
+
+
+def test_fp8_teacher_forced_matches_eager(fp8_kernel):
+    model = _quantized_model("fp8-block", model_type="deepseek_v2")
+    ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
+    forced = torch.randint(1, 90, (3, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = teacher_forced_logits(model, ids, mask, forced, DynamicCache(config=model.config))
+        model.set_attn_implementation("eager")
+        theirs = teacher_forced_logits(model, ids, mask, forced, DynamicCache(config=model.config))
+    assert rel_err(ours, theirs) < 1e-4
