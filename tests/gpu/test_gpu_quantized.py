@@ -35,3 +35,35 @@ def test_fp8_kv_b_proj_v3_teacher_forced_matches_eager(monkeypatch):
     assert err < LOGIT_TOL and top1 >= TOP1_MIN
     del model
     torch.cuda.empty_cache()
+
+
+def test_fp8_checkpoint_round_trip_quantize_and_dequantize_at_load(monkeypatch, tmp_path):
+    """The checkpoint path users take: a model quantized to FP8 at load by Transformers (FineGrainedFP8Config), saved
+    as an FP8 checkpoint, and that checkpoint loaded again with ``dequantize=True``: flashinfer_mla matches eager on
+    both, and the dequantized load costs no derived copy (its kv_b_proj is a plain Linear)."""
+    import transformers
+    from transformers import FineGrainedFP8Config
+
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", _fake_fp8_linear)
+    _model("v2-lite").save_pretrained(tmp_path / "bf16")
+    results = {}
+    for name, source, qconfig in (("fp8", "bf16", FineGrainedFP8Config()),
+                                  ("dequantized", "fp8", FineGrainedFP8Config(dequantize=True))):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / source, quantization_config=qconfig, attn_implementation="eager", dtype=torch.bfloat16,
+            device_map=DEV)
+        kv_b = model.model.layers[0].self_attn.kv_b_proj
+        assert (type(kv_b).__name__ == "FP8Linear") == (name == "fp8")
+        eager = _teacher_forced(model, DynamicCache(config=model.config))
+        model.set_attn_implementation("flashinfer_mla")
+        ours = _teacher_forced(model, DynamicCache(config=model.config))
+        assert (getattr(kv_b, absorption._DENSE, None) is not None) == (name == "fp8")
+        results[name] = _compare(ours, eager)
+        print(f"v2-lite {name} checkpoint: flashinfer_mla vs eager rel {results[name][0]:.2e} "
+              f"top1 {results[name][1]:.3f}")
+        if name == "fp8":
+            model.save_pretrained(tmp_path / "fp8")
+        del model
+        torch.cuda.empty_cache()
+    for err, top1 in results.values():
+        assert err < LOGIT_TOL and top1 >= TOP1_MIN
