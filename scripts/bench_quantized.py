@@ -45,9 +45,10 @@ def quantize(linear: torch.nn.Linear, block=(128, 128)) -> torch.nn.Module:
     out_f, in_f = w.shape
     q = finegrained_fp8.FP8Linear(in_f, out_f, block_size=list(block)).to(w.device)
     bo, bi = block
-    blocks = w.reshape(out_f // bo, bo, in_f // bi, bi)
+    padded = F.pad(w, (0, -in_f % bi, 0, -out_f % bo))  # kv_a_proj_with_mqa has 576 rows: ceil-sized scale blocks
+    blocks = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi)
     scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / torch.finfo(FP8).max
-    q.weight.data = (blocks / scale[:, None, :, None]).reshape(out_f, in_f).to(FP8)
+    q.weight.data = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:out_f, :in_f].to(FP8)
     q.weight_scale_inv.data = scale
     return q.requires_grad_(False)
 

@@ -45,9 +45,12 @@ def test_fp8_checkpoint_round_trip_quantize_and_dequantize_at_load(monkeypatch, 
     from transformers import FineGrainedFP8Config
 
     monkeypatch.setattr(finegrained_fp8, "fp8_linear", _fake_fp8_linear)
-    _model("v2-lite").save_pretrained(tmp_path / "bf16")
+    _model("v3").save_pretrained(tmp_path / "bf16")  # dense MLP: the fake kernel serves every FP8Linear
     results = {}
-    for name, source, qconfig in (("fp8", "bf16", FineGrainedFP8Config()),
+    # kv_a_proj_with_mqa (576 rows) is not a whole number of 128-row blocks; Transformers leaves its scale
+    # uninitialised when it quantizes such a layer at load, so it stays bf16 here (real checkpoints ship the scale).
+    keep = ["kv_a_proj_with_mqa", "lm_head"]
+    for name, source, qconfig in (("fp8", "bf16", FineGrainedFP8Config(modules_to_not_convert=keep)),
                                   ("dequantized", "fp8", FineGrainedFP8Config(dequantize=True))):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path / source, quantization_config=qconfig, attn_implementation="eager", dtype=torch.bfloat16,
@@ -59,7 +62,7 @@ def test_fp8_checkpoint_round_trip_quantize_and_dequantize_at_load(monkeypatch, 
         ours = _teacher_forced(model, DynamicCache(config=model.config))
         assert (getattr(kv_b, absorption._DENSE, None) is not None) == (name == "fp8")
         results[name] = _compare(ours, eager)
-        print(f"v2-lite {name} checkpoint: flashinfer_mla vs eager rel {results[name][0]:.2e} "
+        print(f"v3 {name} checkpoint: flashinfer_mla vs eager rel {results[name][0]:.2e} "
               f"top1 {results[name][1]:.3f}")
         if name == "fp8":
             model.save_pretrained(tmp_path / "fp8")
