@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.utils import logging
 
 from .absorption import absorb_query, absorbed_weights, project_output
 from .dispatch import backend_for_graph, choose_backend, requested_backend
@@ -24,6 +25,8 @@ from .flashinfer_fa import fa_decode, fa_decode_graph, mask_planned_outside_grap
 from .metadata import StepPlan, step_plan
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .reference import mla_attention_reference
+
+logger = logging.get_logger("hf_flashinfer_mla")
 
 # Query tokens per sequence up to which a forward is treated as decode (absorbed attention). One token is plain
 # decoding; a few cover assisted/speculative decoding. Above it, expanding K/V once is cheaper.
@@ -46,6 +49,11 @@ def flashinfer_mla_attention_forward(
         raise UnsupportedModelError(
             f'attn_implementation="{ATTN_NAME}" was called from {type(module).__name__}, which is not a dense MLA '
             "attention module (no kv_b_proj/expand_kv, or a sparse DSA indexer). Use sdpa or eager for this module."
+        )
+    if kwargs.pop("output_attentions", False):
+        logger.warning_once(
+            f"`{ATTN_NAME}` attention does not return attention weights (`output_attentions=True`): set the "
+            'attention to "eager" if you need them.'
         )
     kv_latent, k_rot = _check_latent(module, key, value)
     weights = None

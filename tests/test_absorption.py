@@ -324,3 +324,13 @@ def test_fp8_teacher_forced_matches_eager(fp8_kernel):
         model.set_attn_implementation("eager")
         theirs = teacher_forced_logits(model, ids, mask, forced, DynamicCache(config=model.config))
     assert rel_err(ours, theirs) < 1e-4
+
+
+def test_output_attentions_warns_in_its_own_name(caplog):
+    model = make_model("deepseek_v2")
+    ids, mask, _ = left_padded_batch(lengths=(12, 9))
+    with caplog.at_level(logging.WARNING):
+        model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("`flashinfer_mla` attention does not return attention weights" in m for m in messages)
+    assert not any("`sdpa`" in m for m in messages)
