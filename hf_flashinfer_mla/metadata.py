@@ -212,21 +212,23 @@ def install_generate_hooks() -> None:
         GenerationMixin._update_model_kwargs_for_generation = _marks_mask_extension(update)
 
 
-def _left_padding(call: _GenerateCall, padding_mask: torch.Tensor):
-    """``(first [B] host int64, max first)`` of the 2D mask if every row is zeros then ones, else None.
+def _read_left_padding(padding_mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(first [B] host int64, every row is zeros then ones)`` of a 2D mask: one device-to-host copy."""
+    valid = padding_mask.bool()
+    first = valid.int().argmax(-1)
+    positions = torch.arange(valid.shape[-1], device=valid.device)
+    left_padded = valid.any(-1) & (valid == (positions >= first[:, None])).all(-1)
+    host = torch.stack([first, left_padded.long()]).cpu()
+    return host[0], bool(host[1].all())
 
-    Read once per generate() call (the only device sync of its decode steps), then reused."""
+
+def _left_padding(call: _GenerateCall, padding_mask: torch.Tensor):
+    """``(first, max first)`` of the 2D mask if every row is zeros then ones, else None. Read once per generate()
+    call (the only device sync of its decode steps), then reused."""
     device, batch = padding_mask.device, padding_mask.shape[0]
     if call.padding is None or call.padding[:2] != (device, batch):
-        valid = padding_mask.bool()
-        first = valid.int().argmax(-1)
-        positions = torch.arange(valid.shape[-1], device=device)
-        left_padded = valid.any(-1) & (valid == (positions >= first[:, None])).all(-1)
-        host = torch.stack([first, left_padded.long()]).cpu()
-        if bool(host[1].all()):
-            call.padding = (device, batch, host[0], int(host[0].max()))
-        else:
-            call.padding = (device, batch, None, None)
+        first, left_padded = _read_left_padding(padding_mask)
+        call.padding = (device, batch, first, int(first.max())) if left_padded else (device, batch, None, None)
     _, _, first, max_first = call.padding
     return None if first is None else (first, max_first)
 
