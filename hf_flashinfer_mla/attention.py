@@ -19,18 +19,16 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
 from .absorption import absorb_query, absorbed_weights, project_output
+from .cuda_graphs import mask_planned_outside_graph, plan_always_accepted  # also registers the graph op
 from .dispatch import backend_for_graph, choose_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
-from .flashinfer_fa import fa_decode, fa_decode_graph, mask_planned_outside_graph
-from .metadata import StepPlan, step_plan
+from .flashinfer_fa import cache_rows, fa_backend_for_step, fa_decode
+from .metadata import MAX_DECODE_QUERY, StepPlan, as_bool_mask, step_plan
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .reference import mla_attention_reference
+from .trtllm import trtllm_decode
 
 logger = logging.get_logger("hf_flashinfer_mla")
-
-# Query tokens per sequence up to which a forward is treated as decode (absorbed attention). One token is plain
-# decoding; a few cover assisted/speculative decoding. Above it, expanding K/V once is cheaper.
-MAX_DECODE_QUERY = 8
 
 
 def flashinfer_mla_attention_forward(
@@ -78,15 +76,33 @@ def flashinfer_mla_attention_forward(
         )
     q_nope, q_pe = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     q_lat = absorb_query(q_nope, weights)
-    dims = (kv_latent.shape[-1], k_rot.shape[-1], weights.num_heads)
     if torch.compiler.is_compiling():
+        dims = (kv_latent.shape[-1], k_rot.shape[-1], weights.num_heads)
         backend = backend_for_graph(str(query.device), query.dtype, *dims, mla_backend,
                                     getattr(module.config, "mla_backend", None))
-        o_lat = decode_latent_graph(backend, q_lat, q_pe, kv_latent, k_rot, attention_mask, scale)
+        o_lat = decode_latent_graph(backend, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale)
     else:
-        backend = choose_backend(query.device, query.dtype, *dims, requested_backend(mla_backend, module.config))
-        o_lat = decode_latent(backend, step_plan(attention_mask), q_lat, q_pe, kv_latent, k_rot, scale)
+        plan = step_plan(attention_mask, module)
+        backend = step_backend(plan, module, q_lat, kv_latent, k_rot, mla_backend, scale)
+        o_lat = decode_latent(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
     return project_output(o_lat, weights), None
+
+
+# ----------------------------------------------------------------------------------------------- decode section
+def step_backend(plan: StepPlan, module: nn.Module, q_lat, kv_latent, k_rot, mla_backend, scale) -> str:
+    """The backend that runs this step's layers of this shape: chosen (and for fa3/fa2 planned) by the first
+    layer, shared by the others. A plan FlashInfer declines moves the step to fa2 or the reference backend."""
+    device, dtype, heads, rank, rope = q_lat.device, q_lat.dtype, q_lat.shape[1], kv_latent.shape[-1], k_rot.shape[-1]
+    config_value = getattr(module.config, "mla_backend", None)
+
+    def choose() -> str:
+        backend = choose_backend(device, dtype, rank, rope, heads, requested_backend(mla_backend, module.config))
+        if backend in ("fa3", "fa2"):
+            pitch = cache_rows(kv_latent)[1]
+            backend = fa_backend_for_step(plan, backend, device, heads, dtype, rank, rope, pitch, scale)
+        return backend
+
+    return plan.state(("backend", device, dtype, rank, rope, heads, mla_backend, config_value), choose)
 
 
 def decode_latent(
@@ -99,23 +115,31 @@ def decode_latent(
     scale: float,
 ) -> torch.Tensor:
     """Run one backend: ``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output."""
-    if backend == "reference":
-        return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, plan.mask_on(q_lat.device), scale)
     if backend in ("fa3", "fa2"):
         return fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
-    from .trtllm import trtllm_decode
-
+    if backend == "reference":
+        return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, plan.mask_on(q_lat.device), scale)
     return trtllm_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
 
 
-def decode_latent_graph(backend, q_lat, q_pe, kv_latent, k_rot, mask, scale) -> torch.Tensor:
-    """`decode_latent` inside a compiled graph: the mask tensor replaces the plan object (dynamo cannot carry it)."""
-    if backend in ("fa3", "fa2"):
-        if mask_planned_outside_graph():
-            return fa_decode_graph(q_lat, q_pe, kv_latent, k_rot, mask, backend, scale)
-    if mask.dtype != torch.bool:
-        mask = mask > torch.finfo(mask.dtype).min / 2
-    return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, mask, scale)
+def decode_latent_graph(
+    backend: str,
+    mask: torch.Tensor,
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_latent: torch.Tensor,
+    k_rot: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`decode_latent` inside a compiled graph: the mask tensor stands for the plan (dynamo cannot carry it)."""
+    b, h, sq, _ = q_lat.shape
+    if (
+        backend in ("fa3", "fa2")
+        and mask_planned_outside_graph()
+        and plan_always_accepted(str(q_lat.device), b, sq, h)
+    ):
+        return torch.ops.hf_flashinfer_mla.fa_decode_graph(backend, mask, q_lat, q_pe, kv_latent, k_rot, scale)
+    return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, as_bool_mask(mask), scale)
 
 
 def _check_latent(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,43 +1,59 @@
-"""Hopper and Ampere decode: FlashInfer's ``BatchMLAPagedAttentionWrapper`` with the fa3 (SM90) or fa2 (SM80+) kernel.
+"""Hopper and Ampere decode: FlashInfer's fa3 (SM90) or fa2 (SM80+) MLA kernel, reading any cache layout in place.
 
-The wrapper reads the cache through a page table. With a page size of 1 the "pages" are the cache's own rows,
-so any layout Transformers keeps (DynamicCache, StaticCache with its unfilled tail, this package's
-`MLALatentCache`) is read in place: row ``b * pitch + j`` is token ``j`` of sequence ``b``, and only the
-positions the step's mask marks valid are listed, which is how left padding and the static cache's unfilled
-tail are skipped. Nothing of the history is copied.
+The kernel reads the cache through a page table. With a page size of 1 the "pages" are the cache's own rows, so
+any layout Transformers keeps (DynamicCache, StaticCache with its unfilled tail, this package's `MLALatentCache`)
+is read in place: row ``b * pitch + j`` is token ``j`` of sequence ``b``, and only the positions the step attends
+to are listed, which is how left padding and the static cache's unfilled tail are skipped. Nothing is copied.
 
-Planning (host-side work, milliseconds) happens once per step and device, at the first layer, through the
-step's `StepPlan`; every layer then only runs the kernel. One wrapper per device, backend, head count and dtype
-is kept for the process, over the device's one float workspace (``buffers.py``). (FlashInfer 0.7.2 still builds a
-new planned backend, with its own staging buffers, on every ``plan``: that is most of the ~1 ms planning cost.)
+Planning happens once per step and device, at the first layer, and is kept in the step's `StepPlan`
+(`fa_step`): the per-row lengths on the host (`PagedRows`: from the step's host-known ranges without any device
+sync, or read off the mask with one), the kernel's work schedule, and per cache pitch the page indices.
+
+FlashInfer's public ``BatchMLAPagedAttentionWrapper.plan`` costs about 1.6 ms per step on 0.7.4: Python contract
+checks, a new backend object with fresh 8 MiB workspaces per plan, and ``aminmax(kv_indices).item()``, a device
+sync. For the FlashInfer releases in `TESTED_FLASHINFER` this module instead calls the generated module directly,
+as SGLang's ``fast_mla_decode_plan`` does (`GeneratedFa`): FlashInfer's own host-side validators first (the
+work-item capacity and the causal tile bound: a refused plan is reported, never launched), then
+``plan_with_staged_workspace_bytes`` on host arrays (its scheduler stages the work list to the GPU
+asynchronously) and ``run`` with the indices on the GPU. That surface is private, so any other release takes the
+public wrapper (`WrapperFa`), as does ``HF_FLASHINFER_MLA_FA_PLANNER=wrapper``.
+
+A plan FlashInfer refuses (causal steps of 2-8 query tokens at head counts that do not divide its query tile)
+runs the step on fa2 if fa2 accepts it, else on the reference backend, after one warning (`fa_backend_for_step`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
-import weakref
+import os
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
-from torch._guards import TracingContext
+import transformers.utils.logging  # noqa: F401  (gives logging.Logger its warning_once)
 
 from .buffers import workspace_buffer
-from .metadata import StepPlan
+from .dispatch import unavailable_reason
 
-_wrappers: dict[tuple, object] = {}
+logger = logging.getLogger("hf_flashinfer_mla")
 
-
-def fa_wrapper(device: torch.device, backend: str, num_heads: int, dtype: torch.dtype):
-    """The process-wide (eager-mode) wrapper of this device, backend, head count and dtype."""
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper
-
-    key = (device, backend, num_heads, dtype)
-    if key not in _wrappers:
-        _wrappers[key] = BatchMLAPagedAttentionWrapper(workspace_buffer(device), backend=backend)
-    return _wrappers[key]
+# FlashInfer releases whose generated-module surface (get_batch_mla_module, plan_with_staged_workspace_bytes, run,
+# _validate_generated_fa_plan, _validate_fa_plan_workload) was read and is called directly. Identical in both.
+TESTED_FLASHINFER = ("0.7.2.post1", "0.7.4")
+PLANNER_ENV = "HF_FLASHINFER_MLA_FA_PLANNER"  # "wrapper": always use FlashInfer's public wrapper
+INT_WORKSPACE_BYTES = 8 * 1024 * 1024  # FlashInfer's own size for the MLA planner's integer workspace
+MAX_WORK_ITEMS = 16384  # FlashInfer's native scheduler capacity (scheduler.cuh, _FA_MAX_WORK_ITEMS)
 
 
+class PlanRefused(Exception):
+    """FlashInfer declined to plan this step (its validators found the workload unsupported)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Layout helpers shared by the eager and the CUDA-graph entry points
+# --------------------------------------------------------------------------------------------------------------
 def cache_rows(latent: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``[B, 1, S, D]`` cache view -> (``[rows, 1, D]`` view of its storage, pitch in rows between sequences)."""
     if latent.stride(-1) != 1:
@@ -50,216 +66,312 @@ def cache_rows(latent: torch.Tensor) -> tuple[torch.Tensor, int]:
     return latent.as_strided((rows, 1, latent.shape[-1]), (row, row, 1), latent.storage_offset()), pitch
 
 
-def csr_metadata(valid: torch.Tensor, pitch: int, q_len: int):
-    """Page-size-1 CSR metadata for the positions marked in ``valid [B, S]``.
-
-    Returns ``qo_indptr``, ``kv_indptr`` and the KV lengths on the host (FlashInfer's planner reads them there)
-    and ``kv_indices`` on ``valid``'s device, at the cost of one device-to-host copy of ``B`` lengths. Rows whose
-    valid positions form one run (left padding, a static cache's unfilled tail: every mask Transformers builds)
-    are indexed arithmetically; any other pattern goes through ``nonzero``.
-    """
-    b, s = valid.shape
-    device = valid.device
-    lens = valid.sum(-1, dtype=torch.int32)
-    first = valid.int().argmax(-1)  # 0 for an empty row, whose length is 0 anyway
-    last = s - 1 - valid.flip(-1).int().argmax(-1)
-    one_run = (lens == 0) | (last - first + 1 == lens)
-    host = torch.stack([lens, one_run.int()]).cpu()  # the one synchronisation of the step's planning
-    lens_host = host[0]
-    kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
-    kv_indptr[1:] = lens_host.cumsum(0)
-    qo_indptr = torch.arange(b + 1, dtype=torch.int32) * q_len
-    if bool(host[1].all()):
-        total = int(kv_indptr[-1])
-        p = torch.arange(total, device=device, dtype=torch.int64)
-        starts = kv_indptr.to(device, non_blocking=True).long()
-        row = torch.searchsorted(starts[1:], p, right=True)
-        kv_indices = (row * pitch + first.long()[row] + p - starts[row]).to(torch.int32)
-    else:
-        batch_idx, pos = valid.nonzero(as_tuple=True)
-        kv_indices = (batch_idx * pitch + pos).to(torch.int32)
-    return qo_indptr, kv_indptr, kv_indices, lens_host
-
-
-def plan_wrapper(wrapper, plan: StepPlan, device, pitch, num_heads, dtype, rank, rope, scale) -> None:
-    """Host-side FlashInfer planning of `wrapper` for one step (one device sync for the indices)."""
-    from flashinfer.mla import MLAPlanMetadata
-
-    qo_indptr, kv_indptr, kv_indices, lens = csr_metadata(plan.kv_valid(device), pitch, plan.q_len)
-    wrapper.plan(
-        metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, lens),
-        num_heads=num_heads,
-        head_dim_ckv=rank,
-        head_dim_kpe=rope,
-        page_size=1,
-        causal=plan.q_len > 1,
-        sm_scale=scale,
-        q_data_type=dtype,
-        kv_data_type=dtype,
-        query_layout="split",
-        kv_cache_layout="split",
-    )
-
-
-def fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale):
-    """``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output on fa3 or fa2."""
+def kernel_inputs(q_lat, q_pe, kv_latent, k_rot):
+    """The kernel's operands: queries ``[B * Sq, H, L]`` / ``[B * Sq, H, R]`` and the two caches as rows."""
     b, h, sq, rank = q_lat.shape
-    rope = q_pe.shape[-1]
-    device = q_lat.device
     ckv, pitch = cache_rows(kv_latent)
     kpe, kpe_pitch = cache_rows(k_rot)
     if kpe_pitch != pitch:
         raise ValueError(f"latent and rope caches disagree on the row pitch ({pitch} vs {kpe_pitch})")
-    wrapper = fa_wrapper(device, backend, h, q_lat.dtype)
-    # Planned by the first layer of each step; the wrapper remembers for which step (and cache layout) it is.
-    planned_for = (pitch, scale, rank, rope)
-    if getattr(wrapper, "_hf_mla_step", None) is not plan or wrapper._hf_mla_planned_for != planned_for:
-        plan_wrapper(wrapper, plan, device, pitch, h, q_lat.dtype, rank, rope, scale)
-        wrapper._hf_mla_step, wrapper._hf_mla_planned_for = plan, planned_for
-    q_nope_lat = q_lat.transpose(1, 2).reshape(b * sq, h, rank)
-    q_rope = q_pe.transpose(1, 2).reshape(b * sq, h, rope)
-    out = wrapper.run(query=(q_nope_lat, q_rope), kv_cache=(ckv, kpe))  # [B*Sq, H, L]
-    return out.view(b, sq, h, rank).transpose(1, 2)
+    q_nope = q_lat.transpose(1, 2).reshape(b * sq, h, rank)
+    q_rope = q_pe.transpose(1, 2).reshape(b * sq, h, q_pe.shape[-1])
+    return q_nope, q_rope, ckv, kpe, pitch
+
+
+def latent_output(out: torch.Tensor, batch: int) -> torch.Tensor:
+    """The kernel's ``[B * Sq, H, L]`` output as ``[B, H, Sq, L]``."""
+    n, h, rank = out.shape
+    return out.view(batch, n // batch, h, rank).transpose(1, 2)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to `device` without blocking the host (through pinned memory on CUDA)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# CUDA graphs (torch.compile with a static cache, as generate() does by itself for cache_implementation="static").
-#
-# A captured graph replays the kernel launch without running any Python, so the kernel must find its per-step
-# metadata in buffers whose addresses never change. Each graph wrapper is a FlashInfer wrapper built with
-# use_cuda_graph=True over fixed metadata buffers, for one (device, backend, heads, dtype, batch, query length,
-# cache pitch). The attention runs through the custom op below, which dynamo and inductor treat as opaque; the
-# mask function re-plans every matching graph wrapper once per step *before* the graph replays (with a static
-# cache, Transformers builds the mask in prepare_inputs_for_generation, outside the compiled region).
+# Paged rows: the page-size-1 CSR metadata of a step
 # --------------------------------------------------------------------------------------------------------------
-class _GraphWrapper:
-    def __init__(self, device, backend, num_heads, dtype, rank, rope, scale, batch, q_len, pitch):
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+@dataclass
+class PagedRows:
+    """Which cache rows each sequence attends to. The planner reads the three host arrays; the kernel reads
+    `kv_indices`, built on the device per cache pitch."""
 
-        i32 = dict(dtype=torch.int32, device=device)
-        self.shape = (batch, q_len, pitch)
-        self.args = dict(num_heads=num_heads, head_dim_ckv=rank, head_dim_kpe=rope, page_size=1, causal=q_len > 1,
-                         sm_scale=scale, q_data_type=dtype, kv_data_type=dtype, query_layout="split",
-                         kv_cache_layout="split")
-        self.device = device
-        self.planned_step = None
-        self.wrapper = BatchMLAPagedAttentionWrapper(
-            workspace_buffer(device), use_cuda_graph=True, backend=backend,
-            qo_indptr=torch.zeros(batch + 1, **i32), kv_indptr=torch.zeros(batch + 1, **i32),
-            kv_indices=torch.zeros(batch * pitch, **i32), kv_len_arr=torch.zeros(batch, **i32),
-        )
+    qo_indptr: torch.Tensor  # [B + 1] int32, host
+    kv_indptr: torch.Tensor  # [B + 1] int32, host
+    kv_len: torch.Tensor  # [B] int32, host
+    first: torch.Tensor | None  # [B] int64, host: each row is the single run [first, first + len)
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, position) on the device, when not runs
 
-    def plan(self, valid: torch.Tensor, step) -> None:
-        from flashinfer.mla import MLAPlanMetadata
+    @property
+    def total(self) -> int:
+        return int(self.kv_indptr[-1])
 
-        batch, q_len, pitch = self.shape
-        self.wrapper.plan(metadata=MLAPlanMetadata.csr(*csr_metadata(valid, pitch, q_len)), **self.args)
-        self.planned_step = step
-
-
-_graph_wrappers: dict[tuple, _GraphWrapper] = {}
-# Graphs (by their dynamo tracing context) that build the attention mask themselves: nothing plans their graph
-# wrappers before a replay, so their decode must not use them (see `mask_planned_outside_graph`).
-_graphs_building_masks: "weakref.WeakSet" = weakref.WeakSet()
-
-
-# Both run as plain Python while dynamo traces (their results are constants of the graph).
-@torch.compiler.assume_constant_result
-def note_mask_built_in_graph() -> bool:
-    """Called by the mask function while dynamo traces it (a user compiled the model's forward itself)."""
-    context = TracingContext.try_get()
-    if context is not None:
-        _graphs_building_masks.add(context)
-    return True
+    def kv_indices(self, pitch: int, device: torch.device) -> torch.Tensor:
+        """``[total]`` int32 row indices on `device` (device arithmetic on a copy of ``B`` host values: no sync)."""
+        if self.first is None:
+            row, pos = self.positions
+            return (row * pitch + pos).to(torch.int32)
+        batch = self.kv_len.numel()
+        starts = torch.arange(batch, dtype=torch.long) * pitch + self.first
+        if batch and int((starts + self.kv_len).max()) >= 2**31:
+            raise ValueError(f"a cache of {batch} x {pitch} rows exceeds FlashInfer's int32 page indices")
+        host = torch.stack([starts - self.kv_indptr[:-1], self.kv_len.long()]).to(torch.int32)
+        offsets, lens = _to_device(host, device)
+        total = self.total
+        steps = torch.arange(total, dtype=torch.int32, device=device)
+        return steps + torch.repeat_interleave(offsets, lens, output_size=total)
 
 
-@torch.compiler.assume_constant_result
-def mask_planned_outside_graph() -> bool:
-    """Whether the graph being traced receives its mask from outside (as generate() does with a static cache, after
-    planning it eagerly each step). Graphs that build their own mask get the reference backend instead: a replayed
-    CUDA graph would otherwise run on the metadata of the step it was captured at."""
-    context = TracingContext.try_get()
-    outside = context is None or context not in _graphs_building_masks
-    if not outside:
-        _warn_graph_mask()
-    return outside
+def _csr(lens: torch.Tensor, q_len: int):
+    kv_indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+    kv_indptr[1:] = lens.cumsum(0)
+    qo_indptr = torch.arange(lens.numel() + 1, dtype=torch.int32) * q_len
+    return qo_indptr, kv_indptr
 
 
+def rows_from_ranges(ranges, q_len: int) -> PagedRows:
+    """`PagedRows` of host-known `KVRanges` (no device work)."""
+    lens = ranges.lengths().to(torch.int32)
+    qo_indptr, kv_indptr = _csr(lens, q_len)
+    return PagedRows(qo_indptr, kv_indptr, lens, ranges.first)
+
+
+def rows_from_mask(valid: torch.Tensor, q_len: int) -> PagedRows:
+    """`PagedRows` of the positions marked in ``valid [B, S]``, at the cost of one device-to-host copy of ``B``
+    values. Rows whose valid positions form one run (left padding, a static cache's unfilled tail: every mask
+    Transformers builds) are indexed arithmetically; any other pattern goes through ``nonzero`` (a second sync)."""
+    s = valid.shape[-1]
+    lens = valid.sum(-1, dtype=torch.int32)
+    first = valid.int().argmax(-1)  # 0 for an empty row, whose length is 0 anyway
+    last = s - 1 - valid.flip(-1).int().argmax(-1)
+    one_run = (lens == 0) | (last - first + 1 == lens)
+    host = torch.stack([lens, first.int(), one_run.int()]).cpu()  # the sync
+    lens_host = host[0].clone()
+    qo_indptr, kv_indptr = _csr(lens_host, q_len)
+    if bool(host[2].all()):
+        return PagedRows(qo_indptr, kv_indptr, lens_host, host[1].long())
+    return PagedRows(qo_indptr, kv_indptr, lens_host, None, valid.nonzero(as_tuple=True))
+
+
+def csr_metadata(valid: torch.Tensor, pitch: int, q_len: int):
+    """``(qo_indptr, kv_indptr, kv_indices, kv_len)`` of ``valid [B, S]``: host arrays, indices on its device."""
+    rows = rows_from_mask(valid, q_len)
+    return rows.qo_indptr, rows.kv_indptr, rows.kv_indices(pitch, valid.device), rows.kv_len
+
+
+def paged_rows(plan, device: torch.device) -> PagedRows:
+    """The step's `PagedRows` for `device`, built once per step and device."""
+
+    def build():
+        if plan.ranges is not None:
+            return rows_from_ranges(plan.ranges, plan.q_len)
+        return rows_from_mask(plan.kv_valid(device), plan.q_len)
+
+    return plan.state(("rows", device), build)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The two ways to plan and run: FlashInfer's generated module directly, or its public wrapper
+# --------------------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _warn_graph_mask() -> None:
-    logging.getLogger("hf_flashinfer_mla").warning(
-        "flashinfer_mla: this compiled graph builds its own attention mask, so FlashInfer cannot be planned before "
-        "each CUDA-graph replay; its decode runs on the PyTorch reference backend. Use generate(..., "
-        'cache_implementation="static"), which compiles the decode step and builds the mask outside the graph.'
+def generated_surface() -> SimpleNamespace | None:
+    """FlashInfer's private generated-module surface, if the installed release is one of `TESTED_FLASHINFER`."""
+    import flashinfer
+
+    if getattr(flashinfer, "__version__", None) not in TESTED_FLASHINFER:
+        return None
+    from flashinfer.mla._batch_mla._backends import _capabilities, _fa_common
+
+    return SimpleNamespace(
+        get_module=_fa_common.get_batch_mla_module,
+        validate_static=_fa_common._validate_generated_fa_plan,
+        validate_workload=_fa_common._validate_fa_plan_workload,
+        refused=_capabilities._BackendPlanUnsupportedError,
     )
 
 
-def _outside_graph_pool(device: torch.device, build):
-    """Run `build` (allocations that live for the process) on a helper thread, and wait for its GPU work.
+def uses_generated_module() -> bool:
+    return os.environ.get(PLANNER_ENV) != "wrapper" and generated_surface() is not None
 
-    torch.compile's CUDA-graph trees route every allocation of the calling thread to the graph's private memory
-    pool during warm-up, and refuse to capture while a tensor from that pool outlives it. The graph wrapper's fixed
-    buffers, the device workspace and FlashInfer's integer workspace (allocated by the first plan) live for the
-    process, so they are allocated from another thread, which the pool does not see.
+
+class GeneratedFa:
+    """FlashInfer's generated fa2/fa3 MLA module for one (device, backend, heads, dtype), with its integer
+    workspace (which holds the planned schedule the kernel reads) and the pinned scratch its planner writes."""
+
+    def __init__(self, device, backend, num_heads, dtype, rank, rope, int_workspace=None):
+        surface = generated_surface()
+        self.surface, self.device, self.backend, self.num_heads, self.dtype = surface, device, backend, num_heads, dtype
+        self.rank = rank
+        self.float_workspace = workspace_buffer(device)
+        self.refused = self._static_refusal(rope)
+        self.module = surface.get_module(backend, dtype, dtype, dtype, torch.int32, rank, rope, False)
+        if int_workspace is None:
+            int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.int_workspace = int_workspace
+        self.scratch = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def _static_refusal(self, rope) -> str | None:
+        """FlashInfer's checks that do not depend on the step (dtypes, dims, shared memory, workspace size)."""
+        empty = torch.zeros(0, dtype=torch.int32)
+        try:
+            self.surface.validate_static(
+                backend=self.backend, device=self.device, qo_indptr=torch.zeros(2, dtype=torch.int32),
+                kv_indptr=torch.zeros(2, dtype=torch.int32), kv_indices=empty, kv_len_arr=torch.zeros(1, dtype=torch.int32),
+                head_dim_ckv=self.rank, head_dim_kpe=rope, q_data_type=self.dtype, kv_data_type=self.dtype,
+                output_dtype=self.dtype, scale_mode="default",
+            )
+        except self.surface.refused as exc:
+            return str(exc)
+        if self.device.type == "cuda":  # partial outputs of the split KV chunks (FlashInfer 0.7.4's preflight)
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            need = 2 * sms * 64 * (2 * self.rank + 4) + 16
+            if self.float_workspace.numel() < need:
+                return f"the float workspace holds {self.float_workspace.numel()} bytes, {need} are needed"
+        return None
+
+    def plan(self, rows: PagedRows, causal: bool):
+        """FlashInfer's workload validation, then its native scheduler on the host arrays. Returns the plan info."""
+        if self.refused:
+            raise PlanRefused(self.refused)
+        try:
+            self.surface.validate_workload(rows.qo_indptr, rows.kv_len, self.num_heads, causal, self.device,
+                                           self.backend, self.dtype)
+        except self.surface.refused as exc:
+            raise PlanRefused(str(exc)) from None
+        plan_info, _ = self.module.plan_with_staged_workspace_bytes(
+            self.float_workspace, self.int_workspace, self.scratch, rows.qo_indptr, rows.kv_indptr, rows.kv_len,
+            self.num_heads, self.rank, causal,
+        )
+        return plan_info
+
+    def run(self, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q_nope)
+        self.module.run(
+            self.float_workspace, self.int_workspace, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, out, None,
+            1 if causal else 0,  # flashinfer.utils.MaskMode CAUSAL / NON_CAUSAL
+            self.num_heads, 1, scale,  # heads, page size, softmax scale
+            False, 1.0, 1.0, None,  # return_lse_base_on_e, ckv/kpe scales and scale array (bf16/fp16 cache)
+        )
+        return out
+
+
+_engines: dict[tuple, GeneratedFa] = {}
+
+
+def generated_fa(device, backend, num_heads, dtype, rank, rope) -> GeneratedFa:
+    """The process-wide eager-mode module and workspaces of this device, backend, head count and dtype."""
+    key = (device, backend, num_heads, dtype, rank, rope)
+    if key not in _engines:
+        _engines[key] = GeneratedFa(device, backend, num_heads, dtype, rank, rope)
+    return _engines[key]
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    return type(exc).__name__ == "_BackendPlanUnsupportedError"
+
+
+def wrapper_plan(wrapper, rows: PagedRows, kv_indices, causal, scale, num_heads, dtype, rank, rope):
+    """Plan FlashInfer's public wrapper (any release): `PlanRefused` if it declines the workload."""
+    from flashinfer.mla import MLAPlanMetadata
+
+    try:
+        wrapper.plan(
+            metadata=MLAPlanMetadata.csr(rows.qo_indptr, rows.kv_indptr, kv_indices, rows.kv_len),
+            num_heads=num_heads, head_dim_ckv=rank, head_dim_kpe=rope, page_size=1, causal=causal, sm_scale=scale,
+            q_data_type=dtype, kv_data_type=dtype, query_layout="split", kv_cache_layout="split",
+        )
+    except ValueError as exc:
+        if _is_refusal(exc):
+            raise PlanRefused(str(exc)) from None
+        raise
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One step on one device
+# --------------------------------------------------------------------------------------------------------------
+class FaStep:
+    """The fa2/fa3 metadata of one step on one device, shared by all its layers: the rows, the planned schedule
+    (or FlashInfer's refusal), and the page indices per cache pitch."""
+
+    def __init__(self, plan, device, backend, num_heads, dtype, rank, rope, pitch, scale):
+        self.device, self.backend, self.num_heads, self.dtype, self.rank, self.rope = (
+            device, backend, num_heads, dtype, rank, rope)
+        self.rows = paged_rows(plan, device)
+        self.causal = plan.q_len > 1
+        self.refused: str | None = None
+        self._indices: dict[int, torch.Tensor] = {}
+        self._wrappers: dict[tuple, object] = {}
+        self.engine = generated_fa(device, backend, num_heads, dtype, rank, rope) if uses_generated_module() else None
+        try:
+            if self.engine is not None:
+                self.plan_info = self.engine.plan(self.rows, self.causal)
+            else:
+                self._wrapper(pitch, scale)
+        except PlanRefused as exc:
+            self.refused = str(exc)
+
+    def indices(self, pitch: int) -> torch.Tensor:
+        if pitch not in self._indices:
+            self._indices[pitch] = self.rows.kv_indices(pitch, self.device)
+        return self._indices[pitch]
+
+    def _wrapper(self, pitch, scale):
+        # The public wrapper binds the indices and the scale at plan time: one planned wrapper per (pitch, scale),
+        # owned by this step.
+        if (pitch, scale) not in self._wrappers:
+            from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+            wrapper = BatchMLAPagedAttentionWrapper(workspace_buffer(self.device), backend=self.backend)
+            wrapper_plan(wrapper, self.rows, self.indices(pitch), self.causal, scale, self.num_heads, self.dtype,
+                         self.rank, self.rope)
+            self._wrappers[(pitch, scale)] = wrapper
+        return self._wrappers[(pitch, scale)]
+
+    def run(self, q_nope, q_rope, ckv, kpe, pitch: int, scale: float) -> torch.Tensor:
+        if self.refused:
+            raise PlanRefused(f"{self.backend}: {self.refused}")
+        if self.engine is not None:
+            return self.engine.run(self.plan_info, q_nope, q_rope, ckv, kpe, self.indices(pitch), self.causal, scale)
+        return self._wrapper(pitch, scale).run(query=(q_nope, q_rope), kv_cache=(ckv, kpe))
+
+
+def fa_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale) -> FaStep:
+    """The step's `FaStep` for this device, backend, head count and dtype (planned by the first layer)."""
+    return plan.state(
+        ("fa", device, backend, num_heads, dtype, rank, rope),
+        lambda: FaStep(plan, device, backend, num_heads, dtype, rank, rope, pitch, scale),
+    )
+
+
+def fa_backend_for_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale) -> str:
+    """`backend` if FlashInfer accepts this step's plan, else fa2 if that accepts it, else ``"reference"``.
+
+    FlashInfer refuses some plans outright (its causal tile bound for 2-8 query tokens at head counts that do
+    not divide its query tile; its scheduler's work-item capacity). The step then runs elsewhere, after one
+    warning per kind of refusal, rather than raising in the middle of a generation.
     """
-
-    def run():
-        torch.cuda.set_device(device)
-        result = build()
-        torch.cuda.synchronize(device)
-        return result
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(run).result()
-_current_step: dict[torch.device, object] = {}
-
-
-def plan_graph_wrappers(plan: StepPlan) -> None:
-    """Re-plan the graph wrappers this step's mask applies to (called by the mask function, once per step)."""
-    device = plan.mask.device
-    _current_step[device] = plan
-    for wrapper in _graph_wrappers.values():
-        if wrapper.device == device and wrapper.shape == (plan.batch_size, plan.q_len, plan.kv_len):
-            wrapper.plan(plan.kv_valid(device), plan)
+    step = fa_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale)
+    if step.refused is None:
+        return backend
+    fallback, reason = "reference", step.refused
+    if backend == "fa3" and unavailable_reason("fa2", device, dtype, rank, rope, num_heads) is None:
+        fa2 = fa_step(plan, "fa2", device, num_heads, dtype, rank, rope, pitch, scale)
+        if fa2.refused is None:
+            fallback = "fa2"
+    logger.warning_once(
+        f"flashinfer_mla: FlashInfer's {backend} declines some decode steps of {plan.q_len} query token(s) at "
+        f"{num_heads} heads ({re.sub(r'[0-9]+', 'N', reason.split(':')[0])}); those steps run on {fallback}."
+    )
+    logger.debug("flashinfer_mla: %s refused a plan: %s", backend, reason)
+    return fallback
 
 
-@torch.library.custom_op("hf_flashinfer_mla::fa_decode_graph", mutates_args=())
-def fa_decode_graph(
-    q_lat: torch.Tensor, q_pe: torch.Tensor, kv_latent: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor,
-    backend: str, scale: float,
-) -> torch.Tensor:
-    """`fa_decode` for compiled graphs: metadata in fixed buffers, planned by the mask function each step."""
-    b, h, sq, rank = q_lat.shape
-    rope = q_pe.shape[-1]
-    device = q_lat.device
-    ckv, pitch = cache_rows(kv_latent)
-    kpe, _ = cache_rows(k_rot)
-    key = (device, backend, h, q_lat.dtype, scale, b, sq, pitch)
-    wrapper = _graph_wrappers.get(key)
-    valid = mask[:, 0, -1, :]
-    valid = valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2
-    if wrapper is None:
-        torch.cuda.current_stream(device).synchronize()  # `valid` is read from the helper thread's stream
-
-        def build():
-            workspace_buffer(device)
-            new = _GraphWrapper(device, backend, h, q_lat.dtype, rank, rope, scale, b, sq, pitch)
-            new.plan(valid, _current_step.get(device))
-            return new
-
-        wrapper = _graph_wrappers[key] = _outside_graph_pool(device, build)
-    if not torch.cuda.is_current_stream_capturing():
-        # Eager execution (the warm-up before capture, or a compile without CUDA graphs): plan now unless the mask
-        # function already planned this wrapper for the current step. Never while capturing: planning syncs.
-        step = _current_step.get(device)
-        if step is None or wrapper.planned_step is not step:
-            wrapper.plan(valid, step)
-    q_nope_lat = q_lat.transpose(1, 2).reshape(b * sq, h, rank)
-    q_rope = q_pe.transpose(1, 2).reshape(b * sq, h, rope)
-    out = wrapper.wrapper.run(query=(q_nope_lat, q_rope), kv_cache=(ckv, kpe))
-    return out.view(b, sq, h, rank).transpose(1, 2).contiguous()
-
-
-@fa_decode_graph.register_fake
-def _(q_lat, q_pe, kv_latent, k_rot, mask, backend, scale):
-    return torch.empty_like(q_lat, memory_format=torch.contiguous_format)
+def fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale) -> torch.Tensor:
+    """``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output on fa3 or fa2 (planned once per step)."""
+    q_nope, q_rope, ckv, kpe, pitch = kernel_inputs(q_lat, q_pe, kv_latent, k_rot)
+    _, h, _, rank = q_lat.shape
+    step = fa_step(plan, backend, q_lat.device, h, q_lat.dtype, rank, q_pe.shape[-1], pitch, scale)
+    return latent_output(step.run(q_nope, q_rope, ckv, kpe, pitch, scale), q_lat.shape[0])

@@ -1,35 +1,82 @@
-"""Per-step planning: which cached positions each sequence attends to, built once per forward step.
+"""Per-step planning: which cached positions each sequence attends to, decided once per forward step.
 
 Transformers builds one attention mask per forward step and hands the same tensor to every layer. The mask
-function registered for ``flashinfer_mla`` (``registration.py``) builds that mask as a dense boolean tensor and
-attaches a `StepPlan` to it; every layer then reads the plan off the mask it receives (`step_plan`). The plan holds
-what every backend shares (the mask, per-sequence KV lengths) and, per device and backend, the kernel metadata
-(for FlashInfer: the paged indices and the planned wrapper) built by the first layer that needs it. The plan lives
-exactly as long as the mask tensor of its step: nothing is global and nothing outlives the step.
+function registered for ``flashinfer_mla`` (`flashinfer_mla_mask`, registered by ``registration.py``) builds that
+mask as a dense boolean tensor and attaches a `StepPlan` to it; every layer then reads the plan off the mask it
+receives (`step_plan`). The `StepPlan` is the one carrier of per-step state: the mask, the rows each sequence
+attends to, the backend chosen for the step, and per device the kernel metadata (for FlashInfer: the paged rows
+and the native plan) built by the first layer that needs it. It lives exactly as long as the mask of its step.
+
+Rows known on the host. Planning FlashInfer needs each sequence's number of valid cached tokens on the host.
+Reading them off the mask costs a device-to-host copy, i.e. a sync that stalls the host until the GPU has caught
+up. Inside ``generate()`` that is not needed: after the prompt, Transformers only ever appends ones to (or crops
+from the right of) the 2D padding mask, so a row's valid positions are ``[first_b, W)`` where ``first_b`` (its left
+padding) is fixed for the call and ``W`` (the 2D mask's width) is a host integer. `first_b` is read once per
+``generate()`` call (one sync, at the first decode step) and every later step is planned without any sync
+(`KVRanges`). Everywhere else (a forward loop of the user's own, a 4D mask passed by the user, padding with holes)
+the plan is derived exactly from the mask, as before. A mask without a padding part (no 2D mask) is pure causal
+and its rows are known on the host anywhere.
+
+Models split across devices (accelerate's ``device_map``) receive at each layer on another device a *copy* of the
+mask, without the plan. Such a copy adopts the step's plan (`StepPlan.adoptable_by`) instead of building its own,
+so each device plans once per step.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+# Query tokens per sequence up to which a forward is treated as decode (absorbed attention). One token is plain
+# decoding; a few cover assisted/speculative decoding. Above it, expanding K/V once is cheaper.
+MAX_DECODE_QUERY = 8
 
 _PLAN_ATTR = "_flashinfer_mla_plan"
 
 
+def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as booleans, True = attend. Additive masks (0 = attend, dtype min = masked), as ``eager`` builds
+    them or a user may pass, are converted; boolean masks are returned as they are."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+@dataclass(frozen=True)
+class KVRanges:
+    """The cached positions ``[first[b], end)`` that the last query token of row ``b`` attends to, known on the host.
+
+    Earlier query tokens of the same step (assisted decoding) see a prefix of it, exactly as a causal kernel
+    gives them: query ``i`` of ``q_len`` ends at ``end - q_len + i``.
+    """
+
+    first: torch.Tensor  # [B] int64, on the CPU
+    end: int
+
+    def lengths(self) -> torch.Tensor:
+        return (self.end - self.first).clamp(min=0)
+
+
 class StepPlan:
-    """The decode metadata of one forward step, shared by all layers (and devices) of the model."""
+    """Everything the decode layers of one forward step share, on every device the model runs on."""
 
     def __init__(self, mask: torch.Tensor):
         if mask.dim() != 4:
             raise ValueError(f"expected a 4D attention mask [batch, 1, q_len, kv_len], got shape {tuple(mask.shape)}")
-        if mask.dtype != torch.bool:
-            # An additive mask (0 = attend, dtype min = masked), as `eager` builds or a user may pass.
-            mask = mask > torch.finfo(mask.dtype).min / 2
+        self.source_shape, self.source_dtype = tuple(mask.shape), mask.dtype
+        mask = as_bool_mask(mask)
         self.mask = mask  # [B, 1, Sq, Skv] bool, True = attend
         self.batch_size, _, self.q_len, self.kv_len = mask.shape
+        self.ranges: KVRanges | None = None  # set when the rows are known on the host
         self._masks: dict[torch.device, torch.Tensor] = {mask.device: mask}
         self._states: dict[Any, Any] = {}
+        self._consumers: set[int] = set()  # attention modules that ran on this plan (see `adoptable_by`)
+        self._config = None  # config of the model whose layers consume it
 
     def mask_on(self, device: torch.device) -> torch.Tensor:
         """The mask on `device` (copied once per device and step, for models split across GPUs)."""
@@ -45,23 +92,205 @@ class StepPlan:
         return self.mask_on(device)[:, 0, -1, :]
 
     def state(self, key: Any, build: Callable[[], Any]) -> Any:
-        """Backend metadata for `key` (e.g. backend, device, cache pitch), built by the first layer that asks."""
+        """Step metadata for `key` (the backend choice, a device's kernel metadata), built by the first layer that
+        asks and shared by the others."""
         if key not in self._states:
             self._states[key] = build()
         return self._states[key]
 
+    def consumed_by(self, module) -> None:
+        if not self._consumers:
+            self._config = module.config
+        self._consumers.add(id(module))
 
-def attach_plan(mask: torch.Tensor) -> StepPlan:
-    """Build the plan for this step's `mask` and attach it to the tensor (called by the mask function)."""
+    def adoptable_by(self, mask: torch.Tensor, module) -> bool:
+        """Whether a plan-less `mask` reaching `module` is a copy of this plan's mask made for this very step.
+
+        accelerate copies the step's mask to the device of every layer that sits on another GPU, and the copy
+        carries no plan. It is taken for such a copy when it has the plan's shape and dtype, the plan is in use
+        by this model (some layer of the same model already ran on it) and `module` has not run on it yet. A layer
+        that already ran on the plan is at a new step: a new mask there (a user's 4D mask, a stale plan's
+        successor) gets a plan of its own, never this one.
+        """
+        return (
+            tuple(mask.shape) == self.source_shape
+            and mask.dtype == self.source_dtype
+            and self._config is not None
+            and module.config is self._config
+            and id(module) not in self._consumers
+        )
+
+
+# The latest plan built in this thread or task: the only plan a plan-less mask copy may adopt.
+_latest_plan: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("flashinfer_mla_plan", default=None)
+
+
+def attach_plan(mask: torch.Tensor, ranges: KVRanges | None = None) -> StepPlan:
+    """Build the plan for this step's `mask` and attach it to the tensor."""
     plan = StepPlan(mask)
+    plan.ranges = ranges
     setattr(mask, _PLAN_ATTR, plan)
+    _latest_plan.set(plan)
     return plan
 
 
-def step_plan(mask: torch.Tensor) -> StepPlan:
-    """The plan attached to `mask`; built here only if the mask did not come from our mask function
-    (a user-supplied 4D mask, or a copy made when a model is split across devices)."""
+def plan_of(mask: torch.Tensor) -> StepPlan | None:
+    """The plan attached to `mask`, if any."""
+    return getattr(mask, _PLAN_ATTR, None)
+
+
+def step_plan(mask: torch.Tensor, module) -> StepPlan:
+    """The plan of the step `mask` belongs to, as seen by the attention `module`.
+
+    Built here only for a mask that did not come from the mask function: a copy made for another device adopts
+    the step's plan; anything else (a user-supplied 4D mask) gets an exact plan of its own.
+    """
     plan = getattr(mask, _PLAN_ATTR, None)
     if plan is None:
-        plan = attach_plan(mask)
+        latest = _latest_plan.get()
+        plan = latest if latest is not None and latest.adoptable_by(mask, module) else attach_plan(mask)
+    plan.consumed_by(module)
     return plan
+
+
+# --------------------------------------------------------------------------------------------------------------
+# generate(): the padding of each row is fixed for the call
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class _GenerateCall:
+    """One generate() call. `extending` becomes True at generate()'s first update of the 2D mask: from then on the
+    mask only grows by ones on the right (or is cropped from the right, in assisted decoding)."""
+
+    extending: bool = False
+    padding: tuple | None = None  # (device, batch, first [B] host int64 or None if not left-padded, max(first))
+
+
+_generate_call: contextvars.ContextVar[_GenerateCall | None] = contextvars.ContextVar(
+    "flashinfer_mla_generate", default=None
+)
+
+
+def _within_generate(generate):
+    @functools.wraps(generate)
+    def generate_with_fixed_padding(self, *args, **kwargs):
+        token = _generate_call.set(_GenerateCall())
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            _generate_call.reset(token)
+
+    generate_with_fixed_padding._flashinfer_mla_generate = True
+    return generate_with_fixed_padding
+
+
+def _marks_mask_extension(update):
+    @functools.wraps(update)
+    def update_model_kwargs(self, *args, **kwargs):
+        call = _generate_call.get()
+        if call is not None:
+            call.extending = True
+        return update(self, *args, **kwargs)
+
+    update_model_kwargs._flashinfer_mla_generate = True
+    return update_model_kwargs
+
+
+def install_generate_hooks() -> None:
+    """Let the mask function know when it runs inside ``generate()``'s decode loop (idempotent).
+
+    ``GenerationMixin.generate`` opens a per-call scope (a context variable: per thread and task, nested calls
+    such as an assistant model's generate() get their own); ``_update_model_kwargs_for_generation`` (the function
+    that appends the ones for each new token) marks the scope as extending. Until then (prefill, chunked prefill)
+    and outside any generate() call, plans are derived from the mask.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    if not getattr(GenerationMixin.generate, "_flashinfer_mla_generate", False):
+        GenerationMixin.generate = _within_generate(GenerationMixin.generate)
+    update = GenerationMixin._update_model_kwargs_for_generation
+    if not getattr(update, "_flashinfer_mla_generate", False):
+        GenerationMixin._update_model_kwargs_for_generation = _marks_mask_extension(update)
+
+
+def _read_left_padding(padding_mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(first [B] host int64, every row is zeros then ones)`` of a 2D mask: one device-to-host copy."""
+    valid = padding_mask.bool()
+    first = valid.int().argmax(-1)
+    positions = torch.arange(valid.shape[-1], device=valid.device)
+    left_padded = valid.any(-1) & (valid == (positions >= first[:, None])).all(-1)
+    host = torch.stack([first, left_padded.long()]).cpu()
+    return host[0], bool(host[1].all())
+
+
+def _left_padding(call: _GenerateCall, padding_mask: torch.Tensor):
+    """``(first, max first)`` of the 2D mask if every row is zeros then ones, else None. Read once per generate()
+    call (the only device sync of its decode steps), then reused."""
+    device, batch = padding_mask.device, padding_mask.shape[0]
+    if call.padding is None or call.padding[:2] != (device, batch):
+        first, left_padded = _read_left_padding(padding_mask)
+        call.padding = (device, batch, first, int(first.max())) if left_padded else (device, batch, None, None)
+    _, _, first, max_first = call.padding
+    return None if first is None else (first, max_first)
+
+
+def host_ranges(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask):
+    """The step's `KVRanges` when they are known without reading the GPU, else None (plan from the mask)."""
+    if mask_function is not causal_mask_function or kv_offset != 0:
+        return None  # overlays (sliding windows, packed sequences, block masks): derive from the mask
+    end = q_offset + q_length if isinstance(q_offset, int) else None  # a StaticCache's offset is a device tensor
+    if attention_mask is None:
+        if end is None or end > kv_length:
+            return None
+        return KVRanges(torch.zeros(batch_size, dtype=torch.long), end)
+    call = _generate_call.get()
+    if call is None or not call.extending or attention_mask.dim() != 2:
+        return None
+    width = attention_mask.shape[-1]  # generate()'s 2D mask spans the cached tokens and the new ones
+    if (end is not None and end != width) or width > kv_length:
+        return None
+    padding = _left_padding(call, attention_mask)
+    if padding is None or padding[1] >= width:
+        return None
+    return KVRanges(padding[0], width)
+
+
+def flashinfer_mla_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The step's mask, as SDPA's boolean mask; for decode steps it is always materialised and planned.
+
+    This is the once-per-step point: Transformers calls it once per forward (or, with a static cache, once per
+    step in ``prepare_inputs_for_generation``, outside any compiled region), and the `StepPlan` attached here is
+    shared by every layer. CUDA-graph slots are re-planned here, before the graph replays.
+    """
+    decode = q_length <= MAX_DECODE_QUERY
+    mask = sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=allow_is_causal_skip and not decode,
+        **kwargs,
+    )
+    if not decode or mask is None:
+        return mask
+    from . import cuda_graphs  # (cuda_graphs imports this module)
+
+    if torch.compiler.is_compiling():
+        cuda_graphs.note_mask_built_in_graph()
+        return mask
+    mask = mask.contiguous()
+    ranges = host_ranges(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+    cuda_graphs.plan_graph_slots(attach_plan(mask, ranges))
+    return mask

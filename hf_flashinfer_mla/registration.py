@@ -16,55 +16,15 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers.generation.utils import GenerationMixin
 from transformers.utils.generic import TransformersKwargs
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
-from .attention import MAX_DECODE_QUERY, flashinfer_mla_attention_forward
+from .attention import flashinfer_mla_attention_forward
 from .cache import adopt_latent_layers
-from .flashinfer_fa import note_mask_built_in_graph, plan_graph_wrappers
-from .metadata import attach_plan
+from .metadata import flashinfer_mla_mask, install_generate_hooks
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
-
-
-def flashinfer_mla_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function=causal_mask_function,
-    attention_mask: torch.Tensor | None = None,
-    allow_is_causal_skip: bool = True,
-    **kwargs,
-) -> torch.Tensor | None:
-    """The step's mask, as SDPA's boolean mask; for decode steps it is always materialised and planned.
-
-    This is the once-per-step point: Transformers calls it once per forward (or, with a static cache, once per
-    step in ``prepare_inputs_for_generation``, outside any compiled region), and the `StepPlan` attached here is
-    shared by every layer.
-    """
-    decode = q_length <= MAX_DECODE_QUERY
-    mask = sdpa_mask(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        mask_function=mask_function,
-        attention_mask=attention_mask,
-        allow_is_causal_skip=allow_is_causal_skip and not decode,
-        **kwargs,
-    )
-    if decode and mask is not None:
-        if torch.compiler.is_compiling():
-            note_mask_built_in_graph()
-        else:
-            mask = mask.contiguous()
-            plan_graph_wrappers(attach_plan(mask))
-    return mask
 
 
 def _checked(original):
@@ -103,6 +63,7 @@ def register() -> None:
     """Register ``"flashinfer_mla"`` with Transformers. Importing the package does this; calling it again is a no-op."""
     AttentionInterface.register(ATTN_NAME, flashinfer_mla_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, flashinfer_mla_mask)
+    install_generate_hooks()  # lets the mask function plan generate()'s decode steps without a device sync
     current = PreTrainedModel._check_and_adjust_attn_implementation
     if not getattr(current, "_flashinfer_mla_check", False):
         PreTrainedModel._check_and_adjust_attn_implementation = _checked(current)

@@ -1,5 +1,6 @@
 """`MLALatentLayer` / `MLALatentCache` behave like Transformers' `DynamicLayer` / `DynamicCache` (same content after
-every operation) while writing in place into a packed, page-rounded buffer."""
+every operation) while writing in place into page-rounded buffers, in both layouts: split (latent and rope in two
+buffers, what fa3/fa2 read fastest) and packed (one row per token, what Blackwell's trtllm-gen reads)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,30 @@ import torch
 from transformers import DeepseekV3Config, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from hf_flashinfer_mla import MLALatentCache, MLALatentLayer
+from hf_flashinfer_mla import MLALatentCache, MLALatentLayer, dispatch
 from hf_flashinfer_mla.cache import ROUND_TOKENS, adopt_latent_layers
+from hf_flashinfer_mla.flashinfer_fa import cache_rows
 from hf_flashinfer_mla.trtllm import packed_pages
 
 RANK, ROPE = 512, 64
 
 
+@pytest.fixture(params=[False, True], ids=["split", "packed"])
+def packed(request):
+    return request.param
+
+
+def _ptr(layer: MLALatentLayer) -> int:
+    return layer._buffers[0].data_ptr()
+
+
 class Pair:
     """Drives an MLALatentLayer and a DynamicLayer through the same operations and compares them."""
 
-    def __init__(self, batch, seed=0, rank=RANK, rope=ROPE, dtype=torch.float32):
+    def __init__(self, batch, seed=0, rank=RANK, rope=ROPE, dtype=torch.float32, packed=False):
         self.g = torch.Generator().manual_seed(seed)
         self.batch, self.rank, self.rope, self.dtype = batch, rank, rope, dtype
-        self.mla, self.ref = MLALatentLayer(), DynamicLayer()
+        self.mla, self.ref = MLALatentLayer(packed), DynamicLayer()
 
     def states(self, n, batch=None):
         b = self.batch if batch is None else batch
@@ -54,8 +65,12 @@ class Pair:
         assert torch.equal(self.mla.keys, self.ref.keys)
         assert torch.equal(self.mla.values, self.ref.values)
         assert self.mla.get_mask_sizes(1) == self.ref.get_mask_sizes(1)
-        cap = self.mla._buffer.shape[2]
+        cap = self.mla.capacity
         assert cap % ROUND_TOKENS == 0 and cap >= self.mla.get_seq_length()
+        assert all(b.shape[2] == cap for b in self.mla._buffers)
+        # Both views read the layer's own storage, in the layout it was given.
+        assert self.mla.keys.data_ptr() == _ptr(self.mla)
+        assert (packed_pages(self.mla.keys, self.mla.values) is not None) == self.mla.packed
 
 
 @pytest.mark.parametrize(
@@ -71,31 +86,31 @@ class Pair:
         (4, [600, 3, 1]),
     ],
 )
-def test_updates_match_dynamic_layer(batch, steps):
-    pair = Pair(batch, seed=sum(steps))
+def test_updates_match_dynamic_layer(batch, steps, packed):
+    pair = Pair(batch, seed=sum(steps), packed=packed)
     for n in steps:
         pair.update(n)
     assert pair.mla.get_seq_length() == sum(steps)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_updates_match_dynamic_layer_dtypes(dtype):
-    pair = Pair(2, seed=3, dtype=dtype)
+def test_updates_match_dynamic_layer_dtypes(dtype, packed):
+    pair = Pair(2, seed=3, dtype=dtype, packed=packed)
     for n in (9, 1, 1):
         pair.update(n)
-    assert pair.mla._buffer.dtype == dtype
+    assert all(b.dtype == dtype for b in pair.mla._buffers)
 
 
-def test_other_latent_dims():
+def test_other_latent_dims(packed):
     """MiniCPM3-like 256 + 32 latent: same behaviour, split at the key width."""
-    pair = Pair(2, seed=4, rank=256, rope=32)
+    pair = Pair(2, seed=4, rank=256, rope=32, packed=packed)
     for n in (7, 1, 300, 1):
         pair.update(n)
-    assert pair.mla._buffer.shape[-1] == 288
+    assert [b.shape[-1] for b in pair.mla._buffers] == ([288] if packed else [256, 32])
 
 
 def test_layout_is_packed_rows():
-    pair = Pair(2, seed=5)
+    pair = Pair(2, seed=5, packed=True)
     pair.update(10)
     buf = pair.mla._buffer
     assert buf.shape == (2, 1, 2 * ROUND_TOKENS, RANK + ROPE)  # 10 tokens + 256 headroom, rounded up
@@ -105,76 +120,108 @@ def test_layout_is_packed_rows():
     assert packed_pages(pair.mla.keys, pair.mla.values) is not None
 
 
-def test_growth_keeps_content_and_capacity_rounds():
-    pair = Pair(3, seed=6)
+def test_layout_is_split_buffers():
+    pair = Pair(2, seed=5, packed=False)
+    pair.update(10)
+    latent, rope = pair.mla._buffers
+    assert latent.shape == (2, 1, 2 * ROUND_TOKENS, RANK) and rope.shape == (2, 1, 2 * ROUND_TOKENS, ROPE)
+    assert pair.mla._buffer is None  # no packed buffer
+    assert pair.mla.keys.data_ptr() == latent.data_ptr() and pair.mla.values.data_ptr() == rope.data_ptr()
+    assert pair.mla.keys.stride(2) == RANK and pair.mla.values.stride(2) == ROPE  # dense rows, as fa3 reads fastest
+    assert packed_pages(pair.mla.keys, pair.mla.values) is None
+    # The kernel's row view reads both in place, with the capacity as the pitch between sequences.
+    (ckv, pitch), (kpe, kpe_pitch) = cache_rows(pair.mla.keys), cache_rows(pair.mla.values)
+    assert pitch == kpe_pitch == 2 * ROUND_TOKENS
+    assert ckv.data_ptr() == latent.data_ptr() and kpe.data_ptr() == rope.data_ptr()
+
+
+@pytest.mark.parametrize("capability, expect_packed", [(None, False), ((8, 0), False), ((9, 0), False),
+                                                        ((10, 0), True), ((10, 3), True), ((12, 0), False)])
+def test_layout_follows_the_device_kernel(monkeypatch, capability, expect_packed):
+    """Packed rows only where trtllm-gen decodes (SM100/SM103), split buffers everywhere else; chosen at the first
+    allocation, and an explicit choice wins."""
+    seen = []
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: seen.append(device) or capability)
+    layer = MLALatentLayer()
+    layer.update(torch.randn(2, 1, 3, RANK), torch.randn(2, 1, 3, ROPE))
+    assert seen == [torch.device("cpu")]
+    assert layer.packed is expect_packed
+    assert (layer._buffer is not None) is expect_packed and len(layer._buffers) == (1 if expect_packed else 2)
+    forced = MLALatentLayer(packed=not expect_packed)
+    forced.update(torch.randn(2, 1, 3, RANK), torch.randn(2, 1, 3, ROPE))
+    assert forced.packed is (not expect_packed)
+
+
+def test_growth_keeps_content_and_capacity_rounds(packed):
+    pair = Pair(3, seed=6, packed=packed)
     caps = []
     for n in (100, 100, 100, 1, 500, 1, 1):
         pair.update(n)  # content compared against DynamicLayer after every step
-        caps.append(pair.mla._buffer.shape[2])
+        caps.append(pair.mla.capacity)
     assert all(c % ROUND_TOKENS == 0 for c in caps)
     assert caps == sorted(caps)  # never shrinks
     assert caps[0] == 512  # 100 tokens + 256 headroom, rounded up
     assert caps[2] == 512 and caps[4] == 1024  # 801 tokens > 512: max(801, 1.5 * 512) rounded up to 1024
 
 
-def test_growth_is_geometric():
-    layer = MLALatentLayer()
+def test_growth_is_geometric(packed):
+    layer = MLALatentLayer(packed)
     g = torch.Generator().manual_seed(7)
     reallocations = 0
     last = None
     for _ in range(2000):
         layer.update(torch.randn(1, 1, 1, 8, generator=g), torch.randn(1, 1, 1, 4, generator=g))
-        ptr = layer._buffer.data_ptr()
+        ptr = _ptr(layer)
         if ptr != last:
             reallocations += 1
             last = ptr
     # 2000 one-token steps: capacities 512, 768, 1280 (1.5x = 1152, rounded), 2048 (1920 rounded): 1.5x growth.
     assert reallocations == 4
-    assert layer._buffer.shape[2] == 2048
+    assert layer.capacity == 2048
 
 
-def test_decode_step_does_not_reallocate_when_capacity_suffices():
-    pair = Pair(2, seed=8)
+def test_decode_step_does_not_reallocate_when_capacity_suffices(packed):
+    pair = Pair(2, seed=8, packed=packed)
     pair.update(200)
-    buf = pair.mla._buffer
-    ptr = buf.data_ptr()
+    buffers = pair.mla._buffers
+    ptrs = [b.data_ptr() for b in buffers]
     for _ in range(312):  # up to exactly the capacity, 512
         pair.update(1)
-        assert pair.mla._buffer is buf
-        assert pair.mla._buffer.data_ptr() == ptr
-        assert pair.mla.keys.data_ptr() == ptr
+        assert pair.mla._buffers is buffers
+        assert [b.data_ptr() for b in pair.mla._buffers] == ptrs
+        assert pair.mla.keys.data_ptr() == ptrs[0]
     assert pair.mla.get_seq_length() == 512
     pair.update(1)  # 513 > 512: grows once, by 1.5x
-    assert pair.mla._buffer.data_ptr() != ptr
-    assert pair.mla._buffer.shape[2] == 768
+    assert _ptr(pair.mla) != ptrs[0]
+    assert pair.mla.capacity == 768
 
 
-def test_first_update_capacity_is_multiple_of_256():
+def test_first_update_capacity_is_multiple_of_256(packed):
     for n in (1, 63, 64, 255, 256, 257, 1000):
-        layer = MLALatentLayer()
+        layer = MLALatentLayer(packed)
         layer.update(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 2))
-        cap = layer._buffer.shape[2]
+        cap = layer.capacity
         assert cap % ROUND_TOKENS == 0 and n + ROUND_TOKENS <= cap < n + 2 * ROUND_TOKENS
 
 
-def test_crop():
-    pair = Pair(2, seed=9)
+def test_crop(packed):
+    pair = Pair(2, seed=9, packed=packed)
     pair.update(40)
     pair.update(1)
-    buf = pair.mla._buffer
+    buffers = pair.mla._buffers
     pair.apply("crop", -5)
     assert pair.mla.get_seq_length() == 36
     pair.apply("crop", 0)  # no-op
     assert pair.mla.get_seq_length() == 36
-    assert pair.mla._buffer is buf  # cropping keeps the buffer
+    assert pair.mla._buffers is buffers  # cropping keeps the buffers
     pair.update(3)  # overwrites the cropped rows
     pair.update(1)
     assert pair.mla.get_seq_length() == 40
-    assert pair.mla._buffer is buf
+    assert pair.mla._buffers is buffers
 
 
-def test_crop_everything_then_update():
-    pair = Pair(2, seed=10)
+def test_crop_everything_then_update(packed):
+    pair = Pair(2, seed=10, packed=packed)
     pair.update(8)
     pair.apply("crop", -8)
     assert pair.mla.get_seq_length() == 0
@@ -206,30 +253,28 @@ def test_crop_uninitialised_is_noop():
     assert layer.get_seq_length() == 0
 
 
-def test_reorder_cache():
-    pair = Pair(4, seed=12)
+def test_reorder_cache(packed):
+    pair = Pair(4, seed=12, packed=packed)
     pair.update(30)
     pair.update(1)
     pair.apply("reorder_cache", torch.tensor([3, 3, 0, 1]))
     pair.update(1)
     pair.apply("reorder_cache", torch.tensor([1, 0, 2, 2]))
     pair.update(2)
-    cap = pair.mla._buffer.shape[2]
-    assert cap % ROUND_TOKENS == 0
-    assert packed_pages(pair.mla.keys, pair.mla.values) is not None
+    assert pair.mla.capacity % ROUND_TOKENS == 0  # check() also asserts the layout survived
 
 
-def test_reorder_keeps_capacity_no_realloc_on_next_decode():
-    pair = Pair(3, seed=13)
+def test_reorder_keeps_capacity_no_realloc_on_next_decode(packed):
+    pair = Pair(3, seed=13, packed=packed)
     pair.update(20)
     pair.apply("reorder_cache", torch.tensor([2, 1, 0]))
-    buf = pair.mla._buffer
+    buffers = pair.mla._buffers
     pair.update(1)
-    assert pair.mla._buffer is buf
+    assert pair.mla._buffers is buffers
 
 
-def test_batch_repeat_interleave():
-    pair = Pair(2, seed=14)
+def test_batch_repeat_interleave(packed):
+    pair = Pair(2, seed=14, packed=packed)
     pair.update(12)
     pair.apply("batch_repeat_interleave", 3)
     assert pair.mla.keys.shape[0] == 6
@@ -238,8 +283,8 @@ def test_batch_repeat_interleave():
     pair.update(1)
 
 
-def test_batch_select_indices():
-    pair = Pair(5, seed=15)
+def test_batch_select_indices(packed):
+    pair = Pair(5, seed=15, packed=packed)
     pair.update(9)
     pair.update(1)
     pair.apply("batch_select_indices", torch.tensor([0, 2, 4]))
@@ -251,8 +296,8 @@ def test_batch_select_indices():
     pair.update(2)
 
 
-def test_beam_search_like_sequence():
-    pair = Pair(2, seed=16)
+def test_beam_search_like_sequence(packed):
+    pair = Pair(2, seed=16, packed=packed)
     pair.update(7)
     pair.apply("batch_repeat_interleave", 2)
     pair.batch = 4
@@ -265,8 +310,8 @@ def test_beam_search_like_sequence():
     pair.update(1)
 
 
-def test_reset():
-    pair = Pair(2, seed=17)
+def test_reset(packed):
+    pair = Pair(2, seed=17, packed=packed)
     pair.update(10)
     pair.apply("reset")
     assert pair.mla.get_seq_length() == 0
@@ -302,8 +347,8 @@ def test_ops_on_empty_layer_are_noops():
     assert layer.get_seq_length() == 0
 
 
-def test_offload_prefetch_cpu_roundtrip():
-    pair = Pair(2, seed=19)
+def test_offload_prefetch_cpu_roundtrip(packed):
+    pair = Pair(2, seed=19, packed=packed)
     pair.update(6)
     pair.mla.offload()
     pair.mla.prefetch()
@@ -340,6 +385,14 @@ def test_cache_from_config_has_latent_layers():
     assert isinstance(cache, DynamicCache)
     assert len(cache.layers) == 3
     assert all(type(layer) is MLALatentLayer for layer in cache.layers)
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_cache_layout_can_be_forced(packed, with_config):
+    cache = MLALatentCache(config=_tiny_config(2) if with_config else None, packed=packed)
+    for idx in range(2):
+        cache.update(torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 8), idx)
+    assert [layer.packed for layer in cache.layers] == [packed, packed]
 
 
 def test_cache_without_config_replicates_latent_layers():

@@ -36,16 +36,16 @@ def test_graph_custom_op_is_registered_with_a_fake_implementation():
     op = torch.ops.hf_flashinfer_mla.fa_decode_graph
     with torch._subclasses.fake_tensor.FakeTensorMode():
         q = torch.empty(2, 4, 1, 512, dtype=torch.bfloat16)
-        out = op(q, torch.empty(2, 4, 1, 64, dtype=torch.bfloat16), torch.empty(2, 1, 9, 512, dtype=torch.bfloat16),
-                 torch.empty(2, 1, 9, 64, dtype=torch.bfloat16), torch.empty(2, 1, 1, 9, dtype=torch.bool), "fa3",
-                 0.1)
+        # The same argument order as the eager entry point: backend, step (here its mask), operands, scale.
+        out = op("fa3", torch.empty(2, 1, 1, 9, dtype=torch.bool), q, torch.empty(2, 4, 1, 64, dtype=torch.bfloat16),
+                 torch.empty(2, 1, 9, 512, dtype=torch.bfloat16), torch.empty(2, 1, 9, 64, dtype=torch.bfloat16), 0.1)
     assert out.shape == q.shape and out.dtype == q.dtype
 
 
 def test_graphs_that_build_their_own_mask_do_not_use_graph_wrappers():
     # A user-compiled forward traces the mask function: nothing would re-plan FlashInfer before a CUDA-graph replay,
     # so such graphs must take the reference path. generate()'s static-cache graphs get the mask from outside.
-    from hf_flashinfer_mla.flashinfer_fa import mask_planned_outside_graph, note_mask_built_in_graph
+    from hf_flashinfer_mla.cuda_graphs import mask_planned_outside_graph, note_mask_built_in_graph
 
     torch._dynamo.reset()
 

@@ -47,10 +47,11 @@ def test_cache_rows_static_slice(b, smax, s, d):
     _check_rows(latent, rows, pitch)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 @pytest.mark.parametrize("b, steps", [(3, [5, 1, 1]), (2, [300]), (2, [256, 1]), (4, [1])])
-def test_cache_rows_latent_layer_views(b, steps):
+def test_cache_rows_latent_layer_views(b, steps, packed):
     g = torch.Generator().manual_seed(sum(steps) + b)
-    layer = MLALatentLayer()
+    layer = MLALatentLayer(packed)
     kvs, rots = [], []
     for n in steps:
         kv, rot = torch.randn(b, 1, n, RANK, generator=g), torch.randn(b, 1, n, ROPE, generator=g)
@@ -58,14 +59,15 @@ def test_cache_rows_latent_layer_views(b, steps):
         kvs.append(kv)
         rots.append(rot)
     kv_all, rot_all = torch.cat(kvs, 2), torch.cat(rots, 2)
-    capacity = layer._buffer.shape[2]
-    assert layer.keys.stride(2) == RANK + ROPE and layer.values.stride(2) == RANK + ROPE
+    capacity = layer.capacity
+    rows_latent, rows_rope = (RANK + ROPE, RANK + ROPE) if packed else (RANK, ROPE)
+    assert layer.keys.stride(2) == rows_latent and layer.values.stride(2) == rows_rope
 
     ckv, pitch = cache_rows(layer.keys)
     kpe, kpe_pitch = cache_rows(layer.values)
     assert pitch == kpe_pitch == capacity
-    assert ckv.stride() == (RANK + ROPE, RANK + ROPE, 1)
-    assert kpe.stride() == (RANK + ROPE, RANK + ROPE, 1)
+    assert ckv.stride() == (rows_latent, rows_latent, 1)
+    assert kpe.stride() == (rows_rope, rows_rope, 1)
     _check_rows(kv_all, ckv, pitch, aliases=False)
     _check_rows(rot_all, kpe, pitch, aliases=False)
     # And against the layer's own views.
@@ -73,10 +75,11 @@ def test_cache_rows_latent_layer_views(b, steps):
     _check_rows(layer.values, kpe, pitch)
 
 
-def test_cache_rows_latent_layer_single_sequence():
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_cache_rows_latent_layer_single_sequence(packed):
     """With one sequence the pitch is never used (b * pitch == 0) but the rows still match."""
     g = torch.Generator().manual_seed(5)
-    layer = MLALatentLayer()
+    layer = MLALatentLayer(packed)
     kv, rot = torch.randn(1, 1, 9, RANK, generator=g), torch.randn(1, 1, 9, ROPE, generator=g)
     layer.update(kv, rot)
     ckv, p1 = cache_rows(layer.keys)

@@ -222,7 +222,7 @@ def test_counter_sized_for_worst_case_then_reused(clean_counters):
 
 def _filled_layer(batch, steps, seed=0):
     g = torch.Generator().manual_seed(seed)
-    layer = MLALatentLayer()
+    layer = MLALatentLayer(packed=True)  # the layout trtllm-gen reads (the default on Blackwell)
     kvs, rots = [], []
     for n in steps:
         kv = torch.randn(batch, 1, n, RANK, generator=g)

@@ -2,7 +2,8 @@
 
 Skipped without CUDA. Run on the H200 with ``python -m pytest -q tests/gpu -s`` (``-s`` prints the error table).
 The bounds are checked to be discriminating: the same comparison with a deliberately wrong softmax scale or a
-mask that leaks padding must fail them (`test_bounds_catch_wrong_scale_and_mask`).
+plan that leaks the padding must fail them, and each control asserts that its fault was injected where the decode
+path really runs (`test_bounds_catch_wrong_scale_and_mask`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import transformers
 from transformers import DynamicCache, StaticCache
 
 import hf_flashinfer_mla
-from hf_flashinfer_mla import dispatch, flashinfer_fa
+from hf_flashinfer_mla import cuda_graphs, dispatch, flashinfer_fa, metadata
 from hf_flashinfer_mla.attention import decode_latent
 from hf_flashinfer_mla.metadata import StepPlan
 
@@ -37,39 +38,40 @@ def rel(a, b):
 
 
 # ---------------------------------------------------------------- kernel level
-def _latent_case(b, h, s, left_pad, static_tail, seed=0, packed=False):
+def _latent_case(b, h, s, left_pad, static_tail, seed=0, layer_layout=None, q_len=1):
     g = torch.Generator(device=DEV).manual_seed(seed)
     cap = s + static_tail
-    if packed:
-        layer = hf_flashinfer_mla.MLALatentLayer()
+    if layer_layout is not None:  # MLALatentLayer: "latent" (its default on this GPU: split) or "packed"
+        layer = hf_flashinfer_mla.MLALatentLayer(packed=True if layer_layout == "packed" else None)
         layer.update(torch.randn(b, 1, s, 512, device=DEV, dtype=torch.bfloat16, generator=g),
                      torch.randn(b, 1, s, 64, device=DEV, dtype=torch.bfloat16, generator=g))
+        assert layer.packed is (layer_layout == "packed")
         kv, kr = layer.keys, layer.values
     else:
         kv = torch.randn(b, 1, cap, 512, device=DEV, dtype=torch.bfloat16, generator=g)[:, :, :cap]
         kr = torch.randn(b, 1, cap, 64, device=DEV, dtype=torch.bfloat16, generator=g)[:, :, :cap]
-    mask = torch.ones(b, 1, 1, kv.shape[2], dtype=torch.bool, device=DEV)
+    mask = torch.ones(b, 1, q_len, kv.shape[2], dtype=torch.bool, device=DEV).tril(kv.shape[2] - q_len)
     for i, p in enumerate(left_pad):
         mask[i, ..., :p] = False
-    if static_tail and not packed:
+    if static_tail and layer_layout is None:
         mask[..., s:] = False  # the static cache's unfilled tail
         kv[:, :, s:] = 1e4  # garbage in the unfilled tail, which must be skipped
         kr[:, :, s:] = 1e4
     for i, p in enumerate(left_pad):
         kv[i, :, :p] = 1e4  # padding garbage that must be skipped
-    q_lat = torch.randn(b, h, 1, 512, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
-    q_pe = torch.randn(b, h, 1, 64, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
+    q_lat = torch.randn(b, h, q_len, 512, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
+    q_pe = torch.randn(b, h, q_len, 64, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
     return q_lat, q_pe, kv, kr, mask
 
 
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("layout", ["dynamic", "static", "packed"])
+@pytest.mark.parametrize("layout", ["dynamic", "static", "latent", "packed"])
 def test_kernel_matches_reference(backend, heads, layout):
     _available(backend)
     q_lat, q_pe, kv, kr, mask = _latent_case(
         4, heads, 300, left_pad=[0, 17, 64, 299], static_tail=37 if layout == "static" else 0,
-        packed=layout == "packed",
+        layer_layout=layout if layout in ("latent", "packed") else None,
     )
     plan = StepPlan(mask)
     scale = 192**-0.5
@@ -79,6 +81,52 @@ def test_kernel_matches_reference(backend, heads, layout):
     print(f"kernel {backend} H={heads} {layout}: rel err {err:.2e}")
     assert torch.isfinite(out).all()
     assert err < KERNEL_TOL
+
+
+def _refusals(monkeypatch):
+    """Record every plan FlashInfer declines (the step then runs on fa2 or the reference backend)."""
+    refused = []
+    real = flashinfer_fa.FaStep.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        if self.refused:
+            refused.append((self.backend, self.num_heads, self.refused))
+
+    monkeypatch.setattr(flashinfer_fa.FaStep, "__init__", init)
+    return refused
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("heads", [16, 20, 24, 64, 128])
+@pytest.mark.parametrize("q_len", [2, 3, 5, 8])
+def test_multi_token_causal_kernel_matches_reference(backend, heads, q_len, monkeypatch):
+    """2-8 query tokens per sequence (assisted decoding) on causal plans, over several cached lengths so that
+    FlashInfer's causal tile bound refuses some steps at head counts not dividing its query tile (20, 24): the
+    step's backend (fa_backend_for_step, as the attention function resolves it) is then fa2 or the reference, and
+    the result still matches the reference."""
+    _available(backend)
+    refused = _refusals(monkeypatch)
+    scale, worst, fallbacks = 192**-0.5, 0.0, set()
+    for s in (66, 129, 130, 200):  # cached lengths hitting and missing FlashInfer's 64-key tile boundaries
+        q_lat, q_pe, kv, kr, mask = _latent_case(3, heads, s, left_pad=[0, 9, 40], static_tail=0,
+                                                 layer_layout="latent", q_len=q_len, seed=s)
+        plan = StepPlan(mask)
+        chosen = flashinfer_fa.fa_backend_for_step(plan, backend, DEV, heads, torch.bfloat16, 512, 64,
+                                                   flashinfer_fa.cache_rows(kv)[1], scale)
+        fallbacks.add(chosen)
+        ref = decode_latent("reference", plan, q_lat.double(), q_pe.double(), kv.double(), kr.double(), scale)
+        out = decode_latent(chosen, plan, q_lat, q_pe, kv, kr, scale)
+        assert torch.isfinite(out).all()
+        worst = max(worst, rel(out, ref))
+    print(f"causal {backend} H={heads} q={q_len}: rel err {worst:.2e}, backends {sorted(fallbacks)}, "
+          f"refused {len(refused)}")
+    assert worst < KERNEL_TOL
+    tile_q = 128 if q_len * heads > 64 else 64
+    if any(end % heads for end in range(tile_q, q_len * heads, tile_q)):
+        assert refused, "this shape should have hit FlashInfer's causal tile bound at one of the lengths"
+    else:
+        assert not refused and fallbacks == {backend}
 
 
 # ---------------------------------------------------------------- model level
@@ -176,22 +224,177 @@ def test_teacher_forced_64_steps_match_eager_and_reference(shaped, backend, cach
 
 
 def test_bounds_catch_wrong_scale_and_mask(shaped, monkeypatch):
-    """A kernel fed a 10% wrong scale, or a plan that leaks the left padding, must fail the bounds above."""
+    """A kernel fed a 10% wrong scale, or a plan that leaks the left padding, must fail the bounds above. Each
+    fault is injected where the decode path really runs (FaStep.run launches every fa2/fa3 layer, paged_rows
+    builds every step's rows) and the control asserts it was reached: a control that stopped injecting (the
+    decode path moved) fails instead of passing silently."""
     backend = "fa3" if dispatch.unavailable_reason("fa3", DEV, torch.bfloat16, 512, 64, 16) is None else "fa2"
     _available(backend)
     name, model, eager, _ = shaped
-    real_fa_decode = flashinfer_fa.fa_decode
-    monkeypatch.setattr(flashinfer_fa, "fa_decode",
-                        lambda b, plan, ql, qp, kv, kr, scale: real_fa_decode(b, plan, ql, qp, kv, kr, scale * 1.1))
-    wrong_scale = _compare(_teacher_forced(model, DynamicCache(config=model.config), mla_backend=backend), eager)
-    monkeypatch.setattr(flashinfer_fa, "fa_decode", real_fa_decode)
-    real_valid = StepPlan.kv_valid
-    monkeypatch.setattr(StepPlan, "kv_valid", lambda self, d: torch.ones_like(real_valid(self, d)))
-    leaky_mask = _compare(_teacher_forced(model, DynamicCache(config=model.config), mla_backend=backend), eager)
-    print(f"{name} controls: wrong scale rel {wrong_scale[0]:.2e} top1 {wrong_scale[1]:.3f}; "
-          f"leaky mask rel {leaky_mask[0]:.2e} top1 {leaky_mask[1]:.3f}")
-    for err, top1 in (wrong_scale, leaky_mask):
+    layers = model.config.num_hidden_layers
+    launches, leaks = [], []
+    real_run, real_rows = flashinfer_fa.FaStep.run, flashinfer_fa.paged_rows
+
+    def wrong_scale(self, q_nope, q_rope, ckv, kpe, pitch, scale):
+        launches.append(scale)
+        return real_run(self, q_nope, q_rope, ckv, kpe, pitch, scale * 1.1)
+
+    with monkeypatch.context() as m:
+        m.setattr(flashinfer_fa.FaStep, "run", wrong_scale)
+        wrong = _compare(_teacher_forced(model, DynamicCache(config=model.config), mla_backend=backend), eager)
+    assert len(launches) == 64 * layers  # every decode layer of every step ran with the fault
+
+    def leaky_rows(plan, device):
+        leaks.append(plan)
+        valid = plan.kv_valid(device)
+        return flashinfer_fa.rows_from_mask(torch.ones_like(valid), plan.q_len)  # padding included
+
+    with monkeypatch.context() as m:
+        m.setattr(flashinfer_fa, "paged_rows", leaky_rows)
+        leaky = _compare(_teacher_forced(model, DynamicCache(config=model.config), mla_backend=backend), eager)
+    assert len(leaks) == 64  # once per step: every step's plan leaked
+    print(f"{name} controls: wrong scale rel {wrong[0]:.2e} top1 {wrong[1]:.3f}; "
+          f"leaky mask rel {leaky[0]:.2e} top1 {leaky[1]:.3f}")
+    for err, top1 in (wrong, leaky):
         assert err >= LOGIT_TOL or top1 < TOP1_MIN
+
+
+@torch.no_grad()
+def _decode_in_chunks(model, cache, q_len, steps=12, **kwargs):
+    """Prefill the prompts, then feed the forced tokens `q_len` at a time (as assisted decoding verifies drafts)."""
+    ids, mask, forced = _prompts()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    logits = []
+    for t in range(0, q_len * steps, q_len):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :q_len])], -1)
+        pos = pos[:, -1:] + 1 + torch.arange(q_len, device=DEV)
+        out = model(input_ids=forced[:, t : t + q_len], attention_mask=mask, position_ids=pos, cache=out.cache,
+                    use_cache=True, **kwargs)
+        logits.append(out.logits.float())
+    return torch.cat(logits, 1)
+
+
+def _small_v3(heads):
+    """Two dense layers with DeepSeek's latent (512 + 64) and `heads` heads, hidden 2048."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=4096, hidden_size=2048, intermediate_size=2048, num_hidden_layers=2, first_k_dense_replace=2,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=None, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=8192,
+        initializer_range=0.05, eos_token_id=None, pad_token_id=0, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                         dtype=torch.bfloat16).to(DEV).eval()
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("heads", [16, 20, 24])
+@pytest.mark.parametrize("q_len", [2, 4, 8])
+def test_multi_token_decode_matches_eager(backend, heads, q_len, monkeypatch):
+    """Whole model, 2-8 query tokens per step on causal plans, against eager fed the same chunks. At 20 and 24
+    heads FlashInfer may refuse some of these plans (causal tile bound, see the kernel-level test above, which
+    hits it on purpose): such steps fall back, nothing raises."""
+    _available(backend)
+    refused = _refusals(monkeypatch)
+    model = _small_v3(heads)
+    eager = _decode_in_chunks(model, DynamicCache(config=model.config), q_len)
+    model.set_attn_implementation("flashinfer_mla")
+    ours = _decode_in_chunks(model, hf_flashinfer_mla.MLALatentCache(config=model.config), q_len,
+                             mla_backend=backend)
+    err, top1 = _compare(ours, eager)
+    print(f"multi-token {backend} H={heads} q={q_len}: vs eager rel {err:.2e} top1 {top1:.3f}, "
+          f"{len(refused)} plan(s) refused")
+    assert torch.isfinite(ours).all()
+    assert err < LOGIT_TOL and top1 >= TOP1_MIN
+    del model
+    torch.cuda.empty_cache()
+
+
+def test_generate_plans_on_the_host_and_matches_the_mask_planned_path(monkeypatch):
+    """generate() plans its decode steps from host-known rows (one read of the padding per call); a loop of the
+    user's own feeding the same tokens plans from the mask. Same rows, same kernel: the same logits."""
+    _available("fa3")
+    model = _model("v3")
+    model.set_attn_implementation("flashinfer_mla")
+    from_mask = []
+    real_from_mask = flashinfer_fa.rows_from_mask
+    monkeypatch.setattr(flashinfer_fa, "rows_from_mask", lambda *a: from_mask.append(1) or real_from_mask(*a))
+    ids, mask, _ = _prompts()
+    new = 24
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    assert from_mask == []  # generate() never read a step's mask
+    host_planned = torch.stack(gen.logits, 1).float()[:, 1:]  # the decode steps (the first logits are prefill's)
+    tokens = gen.sequences[:, ids.shape[1]:]
+    with torch.no_grad():
+        cache = hf_flashinfer_mla.MLALatentCache(config=model.config)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        loop = []
+        for t in range(new - 1):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+            pos = pos[:, -1:] + 1
+            out = model(input_ids=tokens[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=out.cache,
+                        use_cache=True)
+            loop.append(out.logits[:, -1].float())
+    assert len(from_mask) == new - 1
+    err = rel(host_planned, torch.stack(loop, 1))
+    print(f"host-planned (generate) vs mask-planned: logits rel err {err:.2e}")
+    assert err < 1e-3
+    assert torch.equal(host_planned.argmax(-1), torch.stack(loop, 1).argmax(-1))
+
+
+def test_generate_decode_steps_do_not_sync(monkeypatch):
+    """No device-to-host synchronisation in a generate() decode step after the first (which reads the left
+    padding once): torch's sync debug mode raises on any sync inside the model's forward."""
+    _available("fa3")
+    model = _model("v3")  # two dense layers: nothing in Transformers' own decode step syncs
+    model.set_attn_implementation("flashinfer_mla")
+    forwards = []
+
+    def strict(module, args, kwargs):
+        forwards.append(1)
+        if len(forwards) > 2:  # prefill, first decode step (reads the padding), then every step must be sync-free
+            torch.cuda.set_sync_debug_mode("error")
+
+    def relax(module, args, kwargs, output):
+        torch.cuda.set_sync_debug_mode("default")
+
+    hooks = [model.register_forward_pre_hook(strict, with_kwargs=True),
+             model.register_forward_hook(relax, with_kwargs=True)]
+    ids, mask, _ = _prompts()
+    try:
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        for h in hooks:
+            h.remove()
+    assert len(forwards) == 12  # 10 decode steps ran in error mode
+    # The control: the same mode does catch a sync in a forward (reading the step's mask, as a user loop plans).
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            flashinfer_fa.rows_from_mask(torch.ones(2, 8, dtype=torch.bool, device=DEV), 1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("planner", ["direct", "wrapper"])
+def test_planners_agree(planner, monkeypatch):
+    """FlashInfer's generated module called directly and its public wrapper run the same plan: the same logits."""
+    _available("fa3")
+    model = _model("v2-lite")
+    model.set_attn_implementation("flashinfer_mla")
+    monkeypatch.setenv(flashinfer_fa.PLANNER_ENV, "direct")
+    direct = _teacher_forced(model, DynamicCache(config=model.config), mla_backend="fa3")
+    monkeypatch.setenv(flashinfer_fa.PLANNER_ENV, planner)
+    assert flashinfer_fa.uses_generated_module() is (planner == "direct")
+    other = _teacher_forced(model, DynamicCache(config=model.config), mla_backend="fa3")
+    err = rel(other, direct)
+    print(f"planner {planner} vs direct: logits rel err {err:.2e}")
+    assert err < 1e-3
 
 
 # ---------------------------------------------------------------- CUDA graphs
@@ -237,21 +440,35 @@ def test_cuda_graphs_teacher_forced_match_uncompiled(backend, monkeypatch):
     torch.cuda.empty_cache()
 
 
-def test_generate_static_cache_graphs_equal_compiled_without_graphs():
+def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch):
     """generate(cache_implementation="static") compiles the decode step itself; with CUDA graphs (replays) it
-    produces exactly what the same compiled step produces without graphs (every step planned and launched)."""
+    produces exactly what the same compiled step produces without graphs (every step planned and launched). The
+    graphs' slots are re-planned before every replay without a device sync (sync debug mode "error" around it)."""
     _available("fa3")
     from transformers import CompileConfig
 
     model = _model("v3")
     model.set_attn_implementation("flashinfer_mla")
     ids, mask, _ = _prompts()
+    planned = []
+    real_plan = cuda_graphs.plan_graph_slots
+
+    def strict_plan(plan):
+        planned.append(len(cuda_graphs._slots))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            real_plan(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(cuda_graphs, "plan_graph_slots", strict_plan)
     runs = {}
     for mode in ("default", "reduce-overhead"):
         torch._dynamo.reset()
         runs[mode] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                                     cache_implementation="static", compile_config=CompileConfig(mode=mode),
                                     output_logits=True, return_dict_in_generate=True)
+    assert cuda_graphs._slots and max(planned) > 0  # slots existed and were re-planned, sync-free, step by step
     err = rel(torch.stack(runs["reduce-overhead"].logits), torch.stack(runs["default"].logits))
     print(f"generate with CUDA graphs vs compiled without: logits rel err {err:.2e}")
     # No recompilation per step or per call: a further 24-step generate compiles no new graph.

@@ -1,4 +1,4 @@
-"""A model split across two GPUs (accelerate device map): each device plans and runs with its own buffers.
+"""A model split across two GPUs (accelerate device map): each device plans once per step, with its own buffers.
 
 Skipped unless two CUDA devices are visible. Run with ``python -m pytest -q tests/gpu/test_multi_gpu.py -s``.
 """
@@ -14,20 +14,49 @@ from hf_flashinfer_mla import buffers, flashinfer_fa
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
+DEVICE_MAP = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+              "model.norm": 1, "lm_head": 1}
 
-def test_split_model_matches_single_gpu():
-    from test_gpu_backends import _compare, _model, _teacher_forced, LOGIT_TOL, TOP1_MIN
+
+def _count_plans(monkeypatch):
+    """Every FlashInfer plan built (one `FaStep` per device, backend and shape that a step needs)."""
+    planned = []
+    real = flashinfer_fa.FaStep.__init__
+
+    def init(self, plan, device, *args, **kwargs):
+        planned.append((id(plan), device))
+        real(self, plan, device, *args, **kwargs)
+
+    monkeypatch.setattr(flashinfer_fa.FaStep, "__init__", init)
+    return planned
+
+
+def test_split_model_matches_single_gpu_and_plans_once_per_device_per_step(monkeypatch):
+    from test_gpu_backends import LOGIT_TOL, TOP1_MIN, _compare, _model, _prompts, _teacher_forced
 
     model = _model("v2-lite")  # on cuda:0, eager
     model.set_attn_implementation("flashinfer_mla")
     single = _teacher_forced(model, DynamicCache(config=model.config))
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
-                  "model.norm": 1, "lm_head": 1}
-    model = dispatch_model(model.to("cpu"), device_map=device_map)
+    model = dispatch_model(model.to("cpu"), device_map=DEVICE_MAP)
+    planned = _count_plans(monkeypatch)
     split = _teacher_forced(model, DynamicCache(config=model.config))
     err, top1 = _compare(split, single)
-    print(f"two GPUs vs one: logits rel err {err:.2e}, top-1 {top1:.3f}")
+    steps = split.shape[1]
+    per_step = {}
+    for plan_id, device in planned:
+        per_step.setdefault(plan_id, []).append(device)
+    print(f"two GPUs vs one: logits rel err {err:.2e}, top-1 {top1:.3f}; {len(planned)} plans over {steps} steps")
     assert err < LOGIT_TOL and top1 >= TOP1_MIN
-    devices = {key[0] for key in flashinfer_fa._wrappers}
-    assert {torch.device("cuda", 0), torch.device("cuda", 1)} <= devices
+    # One plan per device per step: layer 1 receives a copy of the mask on cuda:1 and adopts the step's plan.
+    assert len(planned) == 2 * steps
+    assert all(sorted(map(str, devices)) == ["cuda:0", "cuda:1"] for devices in per_step.values())
     assert {torch.device("cuda", 0), torch.device("cuda", 1)} <= set(buffers._workspaces)
+    if flashinfer_fa.uses_generated_module():
+        assert {torch.device("cuda", 0), torch.device("cuda", 1)} <= {key[0] for key in flashinfer_fa._engines}
+
+    # generate() on the split model: rows known on the host, still one plan per device per step.
+    planned.clear()
+    ids, mask, _ = _prompts()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=9, do_sample=False)
+    assert len(planned) == 2 * 8

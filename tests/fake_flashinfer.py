@@ -1,0 +1,120 @@
+"""A CPU stand-in for FlashInfer's generated fa2/fa3 MLA module, for tests that cannot run a GPU.
+
+`FakeMLAModule` has the call signatures of FlashInfer 0.7.4's module (``csrc/batch_mla_binding.cu``, as
+``_fa_common._plan_generated_fa`` / ``_run_generated_fa`` call it), asserts what it receives, stages the planned
+rows into the integer workspace it was given (as the native scheduler does) and reads them back from the workspace
+it is run with, then computes exactly what the kernel computes, causal rule included. `fake_hopper` makes the
+package believe it runs on an SM90 GPU with that module, in float64 on the CPU, so whole models can be checked
+against ``eager`` to rounding.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from flashinfer.mla._batch_mla._backends import _capabilities, _fa_common
+
+from hf_flashinfer_mla import buffers, dispatch, flashinfer_fa
+
+PLAN_INFO_LEN = 18  # MLAPlanInfo::ToVector
+
+
+class FakeMLAModule:
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.plans: list[dict] = []
+        self.runs = 0
+
+    def plan_with_staged_workspace_bytes(self, float_ws, int_ws, scratch, qo_indptr, kv_indptr, kv_len, num_heads,
+                                         head_dim_o, causal):
+        for t in (qo_indptr, kv_indptr, kv_len):
+            assert t.device.type == "cpu" and t.dtype == torch.int32 and t.is_contiguous()  # read on the host
+        assert float_ws.dtype == torch.uint8 and int_ws.dtype == torch.uint8 and scratch.device.type == "cpu"
+        assert isinstance(num_heads, int) and isinstance(head_dim_o, int) and isinstance(causal, bool)
+        b = kv_len.numel()
+        assert qo_indptr.numel() == kv_indptr.numel() == b + 1
+        assert torch.equal(kv_indptr[1:] - kv_indptr[:-1], kv_len)  # page size 1: one page per token
+        plan_id = len(self.plans)
+        self.plans.append(dict(qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), kv_len=kv_len.clone(),
+                               num_heads=num_heads, head_dim_o=head_dim_o, causal=causal))
+        staged = torch.cat([torch.tensor([b, plan_id], dtype=torch.int32), qo_indptr, kv_indptr, kv_len])
+        int_ws.view(torch.int32)[: staged.numel()].copy_(staged, non_blocking=True)
+        q_tokens = int(qo_indptr[-1]) // max(b, 1)
+        plan_info = [2 if q_tokens * num_heads > 64 else 1, 132] + [64 * i for i in range(PLAN_INFO_LEN - 2)]
+        return plan_info, 4 * staged.numel()
+
+    def run(self, float_ws, int_ws, plan_info, q_nope, q_pe, ckv, kpe, kv_indices, out, lse, mask_mode, num_heads,
+            page_size, sm_scale, return_lse_base_on_e, ckv_scale, kpe_scale, ckv_scale_arr):
+        self.runs += 1
+        ws = int_ws.view(torch.int32)
+        b, plan_id = int(ws[0]), int(ws[1])
+        plan = self.plans[plan_id]  # the plan staged into *this* workspace
+        qo_indptr, kv_indptr, kv_len = ws[2 : 3 + b], ws[3 + b : 4 + 2 * b], ws[4 + 2 * b : 4 + 3 * b]
+        assert len(plan_info) == PLAN_INFO_LEN and float_ws.dtype == torch.uint8
+        assert mask_mode == int(plan["causal"]) and num_heads == plan["num_heads"] == q_nope.shape[1]
+        assert (page_size, lse, return_lse_base_on_e, ckv_scale, kpe_scale, ckv_scale_arr) == (1, None, False, 1.0,
+                                                                                              1.0, None)
+        assert q_nope.shape[0] == int(qo_indptr[-1]) and q_pe.shape[:2] == q_nope.shape[:2]
+        assert ckv.dim() == kpe.dim() == 3 and ckv.shape[1] == kpe.shape[1] == 1
+        assert out.shape == q_nope.shape and out.dtype == q_nope.dtype
+        assert kv_indices.dtype == torch.int32 and kv_indices.numel() >= int(kv_indptr[-1])
+        for r in range(b):
+            q0, q1, k0, n = int(qo_indptr[r]), int(qo_indptr[r + 1]), int(kv_indptr[r]), int(kv_len[r])
+            pages = kv_indices[k0 : k0 + n].long()
+            lat, pe = ckv[pages, 0], kpe[pages, 0]
+            scores = (torch.einsum("qhl,kl->qhk", q_nope[q0:q1], lat)
+                      + torch.einsum("qhr,kr->qhk", q_pe[q0:q1], pe)) * sm_scale
+            if plan["causal"]:  # query i of q sees the first n - q + i + 1 keys of its request
+                i = torch.arange(q1 - q0)[:, None, None]
+                scores = scores.masked_fill(torch.arange(n)[None, None, :] > n - (q1 - q0) + i, float("-inf"))
+            out[q0:q1] = torch.einsum("qhk,kl->qhl", torch.softmax(scores, -1).nan_to_num(0.0), lat)
+
+
+class FakeSurface(SimpleNamespace):
+    """What `flashinfer_fa.generated_surface` returns, with FlashInfer's real workload validator on a pretend
+    132-SM Hopper (its causal tile bound and work-item capacity are plain Python)."""
+
+
+def make_surface(validate_workload=None) -> FakeSurface:
+    modules: dict[str, FakeMLAModule] = {}
+    static_calls = []
+
+    def get_module(backend, dtype_q, dtype_kv, dtype_o, dtype_idx, head_dim_ckv, head_dim_kpe, use_profiler):
+        assert dtype_q == dtype_kv == dtype_o and dtype_idx == torch.int32 and use_profiler is False
+        return modules.setdefault(backend, FakeMLAModule(backend))
+
+    def validate_static(**kwargs):
+        static_calls.append(kwargs)
+
+    return FakeSurface(
+        get_module=get_module,
+        validate_static=validate_static,
+        validate_workload=validate_workload or _fa_common._validate_fa_plan_workload,
+        refused=_capabilities._BackendPlanUnsupportedError,
+        modules=modules,
+        static_calls=static_calls,
+    )
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    """The package sees an SM90 GPU whose fa3/fa2 kernels are `FakeMLAModule`, for the test models' float64
+    latent; FlashInfer's host-side validators see 132 SMs and an H100's shared memory."""
+    import transformers
+
+    surface = make_surface()
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(dispatch, "KERNEL_DTYPES", (torch.float64,))
+    monkeypatch.setattr(dispatch, "KERNEL_DIMS", (32, 8))  # conftest's deepseek_v3 latent
+    monkeypatch.setattr(flashinfer_fa, "generated_surface", lambda: surface)
+    monkeypatch.setattr(flashinfer_fa, "_engines", {})
+    monkeypatch.setattr(flashinfer_fa, "INT_WORKSPACE_BYTES", 1 << 16)
+    monkeypatch.setattr(buffers, "WORKSPACE_BYTES", 1 << 16)
+    monkeypatch.setattr(buffers, "_workspaces", {})
+    monkeypatch.setattr(_fa_common, "get_device_sm_count", lambda device: 132)
+    monkeypatch.setattr(_fa_common, "_get_fa_shared_memory_limits", lambda device: (233472, 232448))
+    monkeypatch.delenv(flashinfer_fa.PLANNER_ENV, raising=False)
+    transformers.utils.logging.warning_once.cache_clear()
+    return surface

@@ -1,0 +1,444 @@
+"""Per-step planning on the CPU: host-known rows inside generate(), the direct FlashInfer planning path (against a
+fake of FlashInfer's generated module, `fake_flashinfer.py`), refused plans, plan adoption across devices, and the
+CUDA-graph slots. Whole models run in float64 and are compared with ``eager`` to rounding."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import VOCAB, assert_batch_matches_eager_alone, left_padded_batch, make_model, rel_err
+from fake_flashinfer import FakeMLAModule, fake_hopper, make_surface  # noqa: F401  (fixture)
+from flashinfer.mla._batch_mla._backends import _fa_common
+from transformers import DynamicCache
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+from hf_flashinfer_mla import cuda_graphs, flashinfer_fa, metadata
+from hf_flashinfer_mla.flashinfer_fa import PagedRows, rows_from_mask, rows_from_ranges
+from hf_flashinfer_mla.metadata import KVRanges, StepPlan, host_ranges, step_plan
+
+TOL = 1e-6
+REAL_SURFACE = flashinfer_fa.generated_surface.__wrapped__  # before `fake_hopper` replaces it
+
+
+def _spy(monkeypatch, owner, name):
+    calls = []
+    original = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+# ------------------------------------------------------------------------------------------ rows on the host
+def _left_padded(b, s, g):
+    first = torch.randint(0, s, (b,), generator=g)
+    valid = torch.arange(s)[None, :] >= first[:, None]
+    return first, valid
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_from_ranges_equal_rows_from_mask(seed):
+    """The host-known ranges give the same CSR arrays and, for any pitch, the same indices as reading the mask."""
+    g = torch.Generator().manual_seed(seed)
+    b, s, q_len = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)), 1 + seed % 4
+    first, valid = _left_padded(b, s, g)
+    ours, exact = rows_from_ranges(KVRanges(first, s), q_len), rows_from_mask(valid, q_len)
+    for name in ("qo_indptr", "kv_indptr", "kv_len"):
+        a, e = getattr(ours, name), getattr(exact, name)
+        assert a.dtype == torch.int32 and a.device.type == "cpu" and torch.equal(a, e), name
+    for pitch in (s, s + 5, 3 * s + 1):
+        assert torch.equal(ours.kv_indices(pitch, valid.device), exact.kv_indices(pitch, valid.device))
+
+
+def test_rows_with_holes_use_positions():
+    valid = torch.tensor([[True, False, True, True], [False, True, True, False]])
+    rows = rows_from_mask(valid, 1)
+    assert rows.first is None
+    assert rows.kv_indices(10, valid.device).tolist() == [0, 2, 3, 11, 12]
+
+
+def test_indices_beyond_int32_are_refused():
+    rows = rows_from_ranges(KVRanges(torch.zeros(3, dtype=torch.long), 8), 1)
+    with pytest.raises(ValueError, match="int32"):
+        rows.kv_indices(2**30, torch.device("cpu"))
+
+
+def test_host_ranged_planning_never_reads_the_device(fake_hopper):
+    """With host-known ranges, a step's whole fa3 planning runs on tensors of the meta device, which hold no data:
+    any read of the GPU (a sync) would raise here."""
+    meta = torch.device("meta")
+    plan = StepPlan(torch.ones(3, 1, 1, 40, dtype=torch.bool, device=meta))
+    plan.ranges = KVRanges(torch.tensor([0, 5, 39]), 40)
+    step = flashinfer_fa.FaStep(plan, meta, "fa3", 4, torch.float64, 32, 8, pitch=64, scale=0.1)
+    assert step.refused is None and step.indices(64).device == meta and step.indices(64).numel() == 40 + 35 + 1
+    planned = fake_hopper.modules["fa3"].plans[-1]
+    assert planned["kv_len"].tolist() == [40, 35, 1] and planned["causal"] is False
+
+
+# ------------------------------------------------------------------------------------------ host_ranges
+def _mask2d(rows):
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+class _Call:
+    """Enter an extending generate() scope as the generate() hooks would."""
+
+    def __enter__(self):
+        self.token = metadata._generate_call.set(metadata._GenerateCall(extending=True))
+        return metadata._generate_call.get()
+
+    def __exit__(self, *exc):
+        metadata._generate_call.reset(self.token)
+
+
+def test_host_ranges_without_padding_mask_are_known_anywhere():
+    r = host_ranges(2, 1, 7, 6, 0, causal_mask_function, None)
+    assert r.first.tolist() == [0, 0] and r.end == 7
+    assert host_ranges(2, 3, 9, 6, 0, causal_mask_function, None).end == 9
+    assert host_ranges(2, 1, 7, torch.tensor(6), 0, causal_mask_function, None) is None  # static cache: on device
+
+
+def test_host_ranges_need_generate_for_a_padding_mask():
+    mask = _mask2d([[0, 1, 1, 1], [1, 1, 1, 1]])
+    assert host_ranges(2, 1, 4, 3, 0, causal_mask_function, mask) is None  # a user's own loop: read the mask
+    token = metadata._generate_call.set(metadata._GenerateCall(extending=False))
+    try:
+        assert host_ranges(2, 1, 4, 3, 0, causal_mask_function, mask) is None  # prefill (maybe chunked)
+    finally:
+        metadata._generate_call.reset(token)
+    with _Call():
+        r = host_ranges(2, 1, 4, 3, 0, causal_mask_function, mask)
+        assert r.first.tolist() == [1, 0] and r.end == 4
+        r = host_ranges(2, 1, 4, torch.tensor(3), 0, causal_mask_function, mask)  # static cache in generate()
+        assert r.first.tolist() == [1, 0] and r.end == 4
+
+
+@pytest.mark.parametrize("rows, args", [
+    ([[1, 0, 1, 1], [1, 1, 1, 1]], {}),  # a hole
+    ([[1, 1, 0, 0], [1, 1, 1, 1]], {}),  # right padding
+    ([[0, 0, 0, 0], [1, 1, 1, 1]], {}),  # an empty row
+    ([[0, 1, 1, 1], [1, 1, 1, 1]], dict(q_offset=2)),  # mask width != cached + new tokens
+    ([[0, 1, 1, 1], [1, 1, 1, 1]], dict(kv_offset=1)),
+    ([[0, 1, 1, 1], [1, 1, 1, 1]], dict(mask_function=sliding_window_causal_mask_function(2))),
+])
+def test_host_ranges_fall_back_to_the_mask(rows, args):
+    kwargs = dict(q_offset=3, kv_offset=0, mask_function=causal_mask_function) | args
+    with _Call():
+        assert host_ranges(2, 1, 4, kwargs["q_offset"], kwargs["kv_offset"], kwargs["mask_function"],
+                           _mask2d(rows)) is None
+
+
+def test_left_padding_read_once_per_generate_call(monkeypatch):
+    reads = _spy(monkeypatch, metadata, "_read_left_padding")
+    with _Call():
+        for width in (5, 6, 7):
+            mask = torch.cat([_mask2d([[0, 0, 1], [0, 1, 1]]), torch.ones(2, width - 3, dtype=torch.bool)], -1)
+            assert host_ranges(2, 1, width, width - 1, 0, causal_mask_function, mask).first.tolist() == [2, 1]
+        # Assisted decoding crops from the right; the fixed left padding still applies while every row has a token.
+        assert host_ranges(2, 1, 3, 2, 0, causal_mask_function, mask[:, :3]).end == 3
+        assert host_ranges(2, 1, 2, 1, 0, causal_mask_function, mask[:, :2]) is None  # row 0 would be empty
+    assert len(reads) == 1
+    with _Call():  # a new generate() call reads it again
+        host_ranges(2, 1, 5, 4, 0, causal_mask_function, mask[:, :5])
+    assert len(reads) == 2
+
+
+# ------------------------------------------------------------------------------------------ whole models, fake fa3
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_generate_on_fa3_matches_eager_alone_planning_once_per_step_without_reading_the_mask(
+    fake_hopper, monkeypatch, cache_implementation
+):
+    model = make_model("deepseek_v3")
+    from_mask = _spy(monkeypatch, flashinfer_fa, "rows_from_mask")
+    reads = _spy(monkeypatch, metadata, "_read_left_padding")
+    ids, mask, prompts = left_padded_batch()
+    new_tokens = 6
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, cache_implementation=cache_implementation)
+    fa3 = fake_hopper.modules["fa3"]
+    decode_steps = new_tokens - 1  # the 9-token prefill takes the expanded path
+    assert len(fa3.plans) == decode_steps  # one plan per step, shared by the layers
+    assert fa3.runs == decode_steps * model.config.num_hidden_layers
+    assert from_mask == [] and len(reads) == 1  # the left padding, read once; no step read its mask
+    first = [0, 0, 0]
+    for i, p in enumerate(prompts):
+        first[i] = ids.shape[1] - len(p)
+    for step, planned in enumerate(fa3.plans):
+        width = ids.shape[1] + step + 1
+        assert planned["kv_len"].tolist() == [width - f for f in first] and planned["causal"] is False
+    assert_batch_matches_eager_alone(model, out, prompts, new_tokens, TOL)
+
+
+def test_user_loop_plans_from_the_mask_and_matches(fake_hopper, monkeypatch):
+    """Outside generate() the rows are read off the mask (one sync a step), and the result is the same."""
+    from conftest import teacher_forced_logits
+
+    model = make_model("deepseek_v3")
+    from_mask = _spy(monkeypatch, flashinfer_fa, "rows_from_mask")
+    ids, mask, prompts = left_padded_batch()
+    forced = torch.randint(1, VOCAB, (3, 4), generator=torch.Generator().manual_seed(2))
+    ours = teacher_forced_logits(model, ids, mask, forced, DynamicCache(config=model.config))
+    assert len(from_mask) == 4 and len(fake_hopper.modules["fa3"].plans) == 4
+    model.set_attn_implementation("eager")
+    for i, p in enumerate(prompts):
+        alone = teacher_forced_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced[i : i + 1],
+                                      DynamicCache(config=model.config))
+        assert rel_err(ours[i], alone[0]) < TOL
+
+
+def test_prompt_lookup_decoding_multi_token_causal_plans(fake_hopper):
+    """Assisted (prompt-lookup) decoding verifies several tokens per step: causal fa3 plans, equal to eager."""
+    model = make_model("deepseek_v3")
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    ours = model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+    plans = fake_hopper.modules["fa3"].plans
+    assert any(p["causal"] and int(p["qo_indptr"][1]) > 1 for p in plans)
+    model.set_attn_implementation("eager")
+    assert torch.equal(ours, model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False))
+
+
+def _chunked_logits(model, prompt, forced, chunk, **kwargs):
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=prompt, cache=cache, use_cache=True)
+    logits = []
+    for t in range(0, forced.shape[1], chunk):
+        out = model(input_ids=forced[:, t : t + chunk], cache=out.cache, use_cache=True, **kwargs)
+        logits.append(out.logits)
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("fa2_accepts", [False, True])
+def test_refused_causal_plan_falls_back_with_one_warning(fake_hopper, monkeypatch, caplog, fa2_accepts):
+    """20 heads and 8-token steps: FlashInfer's causal tile bound (its real validator) refuses the steps whose
+    cached length is 2 mod 64. Those steps run on fa2 if it accepts, else on the reference backend; every step
+    equals eager, and one warning is logged."""
+    real = _fa_common._validate_fa_plan_workload
+
+    def validate(qo_indptr, kv_len_arr, num_heads, causal, device, backend, kv_data_type):
+        if backend == "fa2" and fa2_accepts:
+            return None
+        return real(qo_indptr, kv_len_arr, num_heads, causal, device, backend, kv_data_type)
+
+    fake_hopper.validate_workload = validate
+    model = make_model("deepseek_v3", num_attention_heads=20, num_key_value_heads=20, num_hidden_layers=2,
+                       first_k_dense_replace=2)
+    g = torch.Generator().manual_seed(4)
+    prompt, forced = torch.randint(1, VOCAB, (1, 10), generator=g), torch.randint(1, VOCAB, (1, 64), generator=g)
+    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+        ours = _chunked_logits(model, prompt, forced, 8)  # cached lengths 18, 26, ..., 66 (refused), ..., 74
+    warnings = [r for r in caplog.records if "declines" in r.getMessage()]
+    assert len(warnings) == 1 and ("on fa2" if fa2_accepts else "on reference") in warnings[0].getMessage()
+    fa3 = fake_hopper.modules["fa3"]
+    assert len(fa3.plans) == 7 and fa3.runs == 7 * 2  # 8 steps, one refused before planning
+    if fa2_accepts:
+        assert fake_hopper.modules["fa2"].runs == 2
+    model.set_attn_implementation("eager")
+    assert rel_err(ours, _chunked_logits(model, prompt, forced, 8)) < TOL
+
+
+def test_other_flashinfer_releases_use_the_public_wrapper(fake_hopper, monkeypatch):
+    """The generated-module surface is private: any release other than the tested ones goes through
+    BatchMLAPagedAttentionWrapper.plan/run (here a fake that checks its arguments)."""
+    import flashinfer
+    import flashinfer.mla
+
+    planned = []
+
+    class Wrapper:
+        def __init__(self, workspace, backend):
+            assert backend == "fa3" and workspace.dtype == torch.uint8
+            self.module = FakeMLAModule(backend)
+
+        def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+                 kv_data_type, query_layout, kv_cache_layout):
+            assert (page_size, query_layout, kv_cache_layout) == (1, "split", "split")
+            self.ws = torch.zeros(4096, dtype=torch.uint8)
+            self.info, _ = self.module.plan_with_staged_workspace_bytes(
+                self.ws, self.ws, torch.zeros(1, dtype=torch.uint8), metadata.qo_indptr, metadata.kv_indptr,
+                metadata.kv_len_arr, num_heads, head_dim_ckv, causal)
+            self.kv_indices, self.scale, self.causal = metadata.kv_indices, sm_scale, causal
+            planned.append(self)
+
+        def run(self, *, query, kv_cache):
+            out = torch.empty_like(query[0])
+            self.module.run(self.ws, self.ws, self.info, *query, *kv_cache, self.kv_indices, out, None,
+                            int(self.causal), query[0].shape[1], 1, self.scale, False, 1.0, 1.0, None)
+            return out
+
+    monkeypatch.setattr(flashinfer.mla, "BatchMLAPagedAttentionWrapper", Wrapper)
+    assert REAL_SURFACE() is not None  # the installed release (0.7.4) is a tested one
+    monkeypatch.setattr(flashinfer, "__version__", "0.7.5")
+    assert REAL_SURFACE() is None
+    monkeypatch.setattr(flashinfer_fa, "generated_surface", REAL_SURFACE)
+    model = make_model("deepseek_v3")
+    ids, mask, prompts = left_padded_batch()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert len(planned) == 3  # one wrapper planned per step
+    assert_batch_matches_eager_alone(model, out, prompts, 4, TOL)
+
+
+def test_planner_env_forces_the_wrapper(fake_hopper, monkeypatch):
+    monkeypatch.setenv(flashinfer_fa.PLANNER_ENV, "wrapper")
+    assert not flashinfer_fa.uses_generated_module()
+    monkeypatch.setenv(flashinfer_fa.PLANNER_ENV, "direct")
+    assert flashinfer_fa.uses_generated_module()
+
+
+# ------------------------------------------------------------------------------------------ adoption across devices
+class _Layer:
+    def __init__(self, config):
+        self.config = config
+
+
+def test_adoption_rule():
+    config, other = object(), object()
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    plan = metadata.attach_plan(mask)
+    l0, l1, stranger = _Layer(config), _Layer(config), _Layer(other)
+    copy = mask.clone()
+    assert not plan.adoptable_by(copy, l1)  # nobody ran on it yet: not known to be this step's
+    assert step_plan(mask, l0) is plan
+    assert plan.adoptable_by(copy, l1)  # a copy reaching a layer that has not run on the plan
+    assert not plan.adoptable_by(copy, l0)  # a layer that ran on it is at a new step
+    assert not plan.adoptable_by(copy, stranger)  # another model
+    assert not plan.adoptable_by(torch.ones(2, 1, 1, 6, dtype=torch.bool), l1)  # another shape
+    assert not plan.adoptable_by(torch.zeros(2, 1, 1, 5), l1)  # another dtype
+    assert step_plan(copy, l1) is plan
+    fresh = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    new = step_plan(fresh, l0)  # l0 already ran on `plan`: a new step, an exact plan of its own
+    assert new is not plan and metadata.plan_of(fresh) is new
+
+
+def _split_like_accelerate(model, first_copied_layer):
+    """Hand every decoder layer from `first_copied_layer` on a copy of the mask, as accelerate's hooks do for
+    layers on another device."""
+
+    def copy_mask(module, args, kwargs):
+        if isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            kwargs["attention_mask"] = kwargs["attention_mask"].clone()
+        return args, kwargs
+
+    return [layer.register_forward_pre_hook(copy_mask, with_kwargs=True)
+            for layer in model.model.layers[first_copied_layer:]]
+
+
+@pytest.mark.parametrize("first_copied, built_per_step, adopted_per_step", [(0, 2, 3), (2, 1, 2), (4, 1, 0)])
+def test_copied_masks_plan_once_per_device_per_step(fake_hopper, monkeypatch, first_copied, built_per_step,
+                                                    adopted_per_step):
+    """Layers before `first_copied` on one "device", the rest on another (masks copied, as accelerate does): fa3
+    plans once per step whatever the split. The copies adopt the step's plan; when layer 0 already gets a copy,
+    the mask function's plan has not been used by any layer, so the first copy gets a plan of its own (never a
+    plan that might be stale) and the other copies adopt that one."""
+    model = make_model("deepseek_v3", num_hidden_layers=4)
+    ids, mask, prompts = left_padded_batch()
+    hooks = _split_like_accelerate(model, first_copied)
+    built = _spy(monkeypatch, metadata, "attach_plan")
+    adoptions = []
+    adoptable = StepPlan.adoptable_by
+    monkeypatch.setattr(StepPlan, "adoptable_by", lambda self, m, mod: adoptions.append(adoptable(self, m, mod))
+                        or adoptions[-1])
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    steps = 3
+    fa3 = fake_hopper.modules["fa3"]
+    assert len(fa3.plans) == steps and fa3.runs == steps * 4
+    assert len(built) == steps * built_per_step and sum(adoptions) == steps * adopted_per_step
+    assert_batch_matches_eager_alone(model, out, prompts, 4, TOL)
+
+
+def test_user_4d_masks_get_fresh_plans_every_step(fake_hopper):
+    """A user's own 4D mask reaches the layers without a plan, step after step, with the same shape (a static
+    cache): each step gets its own plan (adopting the previous step's, of the same shape, would attend one token
+    short) and the result equals the run on 2D masks."""
+    from transformers import StaticCache
+
+    model = make_model("deepseek_v3")
+    ids, mask, _ = left_padded_batch()
+    forced = torch.randint(1, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
+    max_len = ids.shape[1] + 8
+    runs = {}
+    for kind in ("2d", "4d"):
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
+        m, pos = mask, (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=m, position_ids=pos, cache=cache, use_cache=True)
+        logits = []
+        for t in range(forced.shape[1]):
+            m, pos = torch.cat([m, torch.ones_like(m[:, :1])], -1), pos[:, -1:] + 1
+            am = m
+            if kind == "4d":  # the user's own boolean mask: padding, the cached tokens and the new one
+                am = torch.zeros(m.shape[0], 1, 1, max_len, dtype=torch.bool)
+                am[:, 0, 0, : m.shape[1]] = m.bool()
+            out = model(input_ids=forced[:, t : t + 1], attention_mask=am, position_ids=pos, cache=cache,
+                        use_cache=True)
+            logits.append(out.logits)
+        runs[kind] = torch.cat(logits, 1)
+    assert rel_err(runs["4d"], runs["2d"]) < TOL
+
+
+# ------------------------------------------------------------------------------------------ CUDA-graph slots
+def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "_slots", {})
+    cpu = torch.device("cpu")
+    key = (cpu, "fa3", 4, torch.float64, 32, 8, 0.25, 2, 1, 16)
+    slot = cuda_graphs._slots[key] = cuda_graphs.GraphSlot(key)
+    other = cuda_graphs._slots[key[:-1] + (24,)] = cuda_graphs.GraphSlot(key[:-1] + (24,))
+    indices, workspace = slot.kv_indices, slot.engine.int_workspace
+    fa3 = fake_hopper.modules["fa3"]
+    for end in (10, 11, 12):
+        plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool))
+        plan.ranges = KVRanges(torch.tensor([3, 0]), end)
+        cuda_graphs.plan_graph_slots(plan)
+        cuda_graphs.plan_graph_slots(plan)  # the op's eager run on the same step does not plan again
+        assert len(fa3.plans) == end - 9 and fa3.plans[-1]["kv_len"].tolist() == [end - 3, end]
+        assert slot.kv_indices is indices and slot.engine.int_workspace is workspace  # fixed addresses
+        assert indices[: 2 * end - 3].tolist() == list(range(3, end)) + list(range(16, 16 + end))
+        assert other.plan_info is None  # another pitch: another shape, not planned
+    q = torch.randn(2, 4, 32, dtype=torch.float64)
+    out = slot.run(q, torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(32, 1, 32, dtype=torch.float64),
+                   torch.randn(32, 1, 8, dtype=torch.float64))
+    assert out.shape == q.shape and fa3.runs == 1
+    slot.plan_info = list(slot.plan_info[:-1]) + [1]  # as if FlashInfer's schedule layout moved between steps
+    plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool))
+    plan.ranges = KVRanges(torch.tensor([3, 0]), 13)
+    with pytest.raises(RuntimeError, match="schedule layout"):
+        cuda_graphs.plan_graph_slots(plan)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2"])
+def test_graph_shapes_admitted_are_never_refused(monkeypatch, backend):
+    """`plan_always_accepted` against FlashInfer's own validator: an admitted shape is accepted at every cached
+    length; a shape it rejects is refused at some length (so the reference fallback in graphs is not needless)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(_fa_common, "get_device_sm_count", lambda device: 132)
+    monkeypatch.setattr(_fa_common, "_get_fa_shared_memory_limits", lambda device: (233472, 232448))
+    refused = _fa_common._validate_fa_plan_workload.__globals__["_BackendPlanUnsupportedError"]
+    for heads in (1, 4, 16, 20, 24, 32, 64, 96, 128):
+        for q_len in (1, 2, 3, 8):
+            for batch in (1, 4):
+                admitted = cuda_graphs.plan_always_accepted("cuda:0", batch, q_len, heads)
+                outcomes = []
+                for kv in range(q_len, q_len + 200):
+                    try:
+                        _fa_common._validate_fa_plan_workload(
+                            torch.arange(batch + 1, dtype=torch.int32) * q_len,
+                            torch.full((batch,), kv, dtype=torch.int32), heads, q_len > 1, "cuda:0", backend,
+                            torch.bfloat16)
+                        outcomes.append(True)
+                    except refused:
+                        outcomes.append(False)
+                if admitted:
+                    assert all(outcomes), (heads, q_len, batch)
+                elif q_len > 1:
+                    assert not all(outcomes), (heads, q_len, batch)
