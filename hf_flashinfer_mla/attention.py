@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
 from .absorption import absorb_query, absorbed_weights, project_output
+from .cache import FP8, dequantize_latent, latent_scales
 from .cuda_graphs import mask_planned_outside_graph, plan_always_accepted  # also registers the graph op
 from .dispatch import backend_for_graph, choose_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
@@ -58,6 +59,7 @@ def flashinfer_mla_attention_forward(
     if query.shape[2] <= MAX_DECODE_QUERY and not (module.training and dropout > 0):
         weights = absorbed_weights(module, query.dtype)
     if weights is None:  # prefill, training with dropout, or a kv_b_proj that cannot be absorbed
+        kv_latent, k_rot = dequantize_latent(kv_latent, k_rot, query.dtype)
         key_states, value_states = original_expand_kv(module)(kv_latent, k_rot)
         return sdpa_attention_forward(
             module, query, key_states, value_states, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -77,32 +79,51 @@ def flashinfer_mla_attention_forward(
     q_nope, q_pe = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     q_lat = absorb_query(q_nope, weights)
     if torch.compiler.is_compiling():
+        if kv_latent.dtype == FP8:
+            raise CacheLayoutError(
+                "the FP8 latent cache (MLALatentCache(dtype=torch.float8_e4m3fn)) does not run inside torch.compile "
+                "or CUDA graphs yet; generate without compiling, or use the bf16 cache (cache_implementation="
+                '"static") for CUDA graphs.'
+            )
         dims = (kv_latent.shape[-1], k_rot.shape[-1], weights.num_heads)
         backend = backend_for_graph(str(query.device), query.dtype, *dims, mla_backend,
                                     getattr(module.config, "mla_backend", None))
         o_lat = decode_latent_graph(backend, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale)
     else:
         plan = step_plan(attention_mask, module)
-        backend = step_backend(plan, module, q_lat, kv_latent, k_rot, mla_backend, scale)
+        backend, kv_dtype = step_backend(plan, module, q_lat, kv_latent, k_rot, mla_backend, scale)
+        if kv_latent.dtype != kv_dtype:  # an FP8 latent that this backend cannot read in place
+            kv_latent, k_rot = dequantize_latent(kv_latent, k_rot, kv_dtype)
         o_lat = decode_latent(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
     return project_output(o_lat, weights), None
 
 
 # ----------------------------------------------------------------------------------------------- decode section
-def step_backend(plan: StepPlan, module: nn.Module, q_lat, kv_latent, k_rot, mla_backend, scale) -> str:
-    """The backend that runs this step's layers of this shape: chosen (and for fa3/fa2 planned) by the first
-    layer, shared by the others. A plan FlashInfer declines moves the step to fa2 or the reference backend."""
+def step_backend(plan: StepPlan, module: nn.Module, q_lat, kv_latent, k_rot, mla_backend, scale):
+    """``(backend, dtype it reads the latent in)`` for this step's layers of this shape: chosen (and for fa3/fa2
+    planned) by the first layer, shared by the others. A plan FlashInfer declines moves the step to fa2 or the
+    reference backend. An FP8 latent is read in place by fa3 (bf16 queries, 512 + 64); anything else reads it
+    dequantized, after one warning."""
     device, dtype, heads, rank, rope = q_lat.device, q_lat.dtype, q_lat.shape[1], kv_latent.shape[-1], k_rot.shape[-1]
     config_value = getattr(module.config, "mla_backend", None)
+    stored = kv_latent.dtype
 
-    def choose() -> str:
+    def choose():
         backend = choose_backend(device, dtype, rank, rope, heads, requested_backend(mla_backend, module.config))
+        fp8_in_place = stored == FP8 and backend == "fa3" and dtype == torch.bfloat16
+        read = stored if fp8_in_place else dtype
         if backend in ("fa3", "fa2"):
             pitch = cache_rows(kv_latent)[1]
-            backend = fa_backend_for_step(plan, backend, device, heads, dtype, rank, rope, pitch, scale)
-        return backend
+            backend = fa_backend_for_step(plan, backend, device, heads, dtype, rank, rope, pitch, scale, read)
+        if stored == FP8 and (backend != "fa3" or not fp8_in_place):
+            read = dtype
+            logger.warning_once(
+                f"flashinfer_mla: the {backend} backend cannot read the FP8 latent in place (FlashInfer's fa3 on "
+                f"Hopper with bfloat16 queries can); it dequantizes the whole cached latent on every decode step."
+            )
+        return backend, read
 
-    return plan.state(("backend", device, dtype, rank, rope, heads, mla_backend, config_value), choose)
+    return plan.state(("backend", device, dtype, stored, rank, rope, heads, mla_backend, config_value), choose)
 
 
 def decode_latent(
@@ -116,7 +137,9 @@ def decode_latent(
 ) -> torch.Tensor:
     """Run one backend: ``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output."""
     if backend in ("fa3", "fa2"):
-        return fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
+        scales = latent_scales(kv_latent) if kv_latent.dtype == FP8 else None
+        return fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale,
+                         None if scales is None else (scales.latent, scales.rope))
     if backend == "reference":
         return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, plan.mask_on(q_lat.device), scale)
     return trtllm_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)

@@ -15,11 +15,21 @@ The layout is chosen for the kernel that will read it, from the device, at the f
 
 ``generate()`` uses it automatically for ``flashinfer_mla`` models (``registration.py`` swaps the full-attention
 layers of the default `DynamicCache`); `MLALatentCache` is the same thing to pass explicitly as ``cache=``.
+
+FP8 latent (``MLALatentCache(config, dtype=torch.float8_e4m3fn)``): the latent and the rotary key are stored as
+``float8_e4m3fn`` with one scale each per layer (``stored = value / scale``), half the bytes of bf16, so twice the
+context fits and a decode step reads half as much. The scales are fixed at the layer's first update (the prefill):
+given by the caller (``scales=``, e.g. a checkpoint's calibrated ``kv_scale``), or measured there as
+``FP8_HEADROOM * amax / 448`` so later tokens up to twice the prefill's largest value are represented; anything
+larger saturates to +-448 * scale (never inf or NaN). The views handed to Transformers are the FP8 storage itself;
+`latent_scales` reads their scales, which the attention needs: fa3/fa2 on Hopper read the FP8 rows in place, every
+other reader (prefill, the reference backend, other GPUs) dequantizes what it reads (`dequantize_latent`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -28,6 +38,41 @@ from transformers.cache_utils import DynamicLayer
 from . import dispatch
 
 ROUND_TOKENS = 256  # capacity granularity: a multiple of every trtllm-gen page size (32, 64)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_HEADROOM = 2.0  # measured scales leave room for values up to twice the prefill's largest
+_SCALES_ATTR = "_flashinfer_mla_scales"
+
+
+@dataclass(frozen=True)
+class LatentScales:
+    """One layer's FP8 dequantization scales: value = stored * scale, for the latent and the rotary key."""
+
+    latent: float
+    rope: float
+
+
+def latent_scales(kv_latent: torch.Tensor) -> LatentScales | None:
+    """The scales of an FP8 latent view handed out by `MLALatentLayer`, None for any other tensor."""
+    return getattr(kv_latent, _SCALES_ATTR, None)
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` as float8_e4m3fn, saturating at +-448 (a plain cast would turn overflow into NaN)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_latent(kv_latent: torch.Tensor, k_rot: torch.Tensor, dtype: torch.dtype):
+    """The latent views in `dtype`: FP8 views are dequantized with their scales, others returned unchanged."""
+    scales = latent_scales(kv_latent)
+    if kv_latent.dtype != FP8:
+        return kv_latent, k_rot
+    if scales is None:
+        raise ValueError(
+            "an FP8 latent reached flashinfer_mla without its scales; FP8 caches must be "
+            "hf_flashinfer_mla.MLALatentCache(config, dtype=torch.float8_e4m3fn)"
+        )
+    return kv_latent.to(dtype) * scales.latent, k_rot.to(dtype) * scales.rope
 
 
 def packed_layout_for(device: torch.device) -> bool:
@@ -39,12 +84,18 @@ class MLALatentLayer(DynamicLayer):
     """One layer's latent (``keys``: ``[B, 1, S, kv_lora_rank]``, ``values``: ``[B, 1, S, rope]``), growing in place.
 
     ``packed=None`` (the default) picks the layout from the device at the first update (see the module docstring);
-    True or False forces packed rows or split buffers.
+    True or False forces packed rows or split buffers. ``dtype=torch.float8_e4m3fn`` stores the latent in FP8 with
+    per-layer `LatentScales` (``scales``, or measured from the first update); None stores what the model computes.
     """
 
-    def __init__(self, packed: bool | None = None):
+    def __init__(self, packed: bool | None = None, dtype: torch.dtype | None = None,
+                 scales: LatentScales | None = None):
         super().__init__()
+        if dtype not in (None, FP8):
+            raise ValueError(f"MLALatentLayer stores the model's own dtype (dtype=None) or {FP8}, not {dtype}")
         self.packed_request = packed
+        self.storage_dtype = dtype
+        self.scales = scales
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -52,6 +103,10 @@ class MLALatentLayer(DynamicLayer):
         self._length = 0
         self._rank = key_states.shape[-1]
         self.packed = self.packed_request if self.packed_request is not None else packed_layout_for(self.device)
+        if self.storage_dtype == FP8 and self.scales is None:
+            # Fixed from the first update (the prefill): one host read per layer, outside the decode loop.
+            amax = torch.stack([key_states.abs().amax(), value_states.abs().amax()]).float().clamp_min(1e-6).tolist()
+            self.scales = LatentScales(*(FP8_HEADROOM * a / FP8_MAX for a in amax))
         self.is_initialized = True
 
     @property
@@ -70,6 +125,9 @@ class MLALatentLayer(DynamicLayer):
             self.keys, self.values = filled[..., : self._rank], filled[..., self._rank :]
         else:
             self.keys, self.values = (b[:, :, : self._length] for b in self._buffers)
+        if self.storage_dtype == FP8:
+            setattr(self.keys, _SCALES_ATTR, self.scales)
+            setattr(self.values, _SCALES_ATTR, self.scales)
 
     def _grow(self, batch: int, needed: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         old = self._buffers
@@ -78,9 +136,8 @@ class MLALatentLayer(DynamicLayer):
         capacity = needed + ROUND_TOKENS if old is None else max(needed, old[0].shape[2] * 3 // 2)
         capacity = -(-capacity // ROUND_TOKENS) * ROUND_TOKENS
         widths = [like_k.shape[-1] + like_v.shape[-1]] if self.packed else [like_k.shape[-1], like_v.shape[-1]]
-        new = tuple(
-            torch.empty((batch, 1, capacity, w), dtype=like_k.dtype, device=like_k.device) for w in widths
-        )
+        dtype = self.storage_dtype or like_k.dtype
+        new = tuple(torch.empty((batch, 1, capacity, w), dtype=dtype, device=like_k.device) for w in widths)
         if old is not None and self._length:
             for dst, src in zip(new, old):
                 dst[:, :, : self._length] = src[:, :, : self._length]
@@ -93,6 +150,9 @@ class MLALatentLayer(DynamicLayer):
         needed = self._length + n
         if self._buffers is None or needed > self.capacity:
             self._grow(key_states.shape[0], needed, key_states, value_states)
+        if self.storage_dtype == FP8:
+            key_states = quantize_fp8(key_states, self.scales.latent)
+            value_states = quantize_fp8(value_states, self.scales.rope)
         if self.packed:
             rows = self._buffers[0][:, :, self._length : needed]
             rows[..., : self._rank] = key_states
@@ -141,21 +201,34 @@ class MLALatentLayer(DynamicLayer):
         self.is_initialized = False
 
 
-def adopt_latent_layers(cache: DynamicCache, packed: bool | None = None) -> DynamicCache:
-    """Replace the plain full-attention layers of an *empty* `DynamicCache` by `MLALatentLayer` (in place)."""
+def adopt_latent_layers(cache: DynamicCache, packed: bool | None = None, dtype: torch.dtype | None = None,
+                        scales=None) -> DynamicCache:
+    """Replace the plain full-attention layers of an *empty* `DynamicCache` by `MLALatentLayer` (in place).
+
+    ``scales``: one `LatentScales` for every layer, or a sequence with one per layer index (FP8 only)."""
+
+    def layer_scales(i):
+        return scales[i] if isinstance(scales, (list, tuple)) else scales
+
     if cache.layer_class_to_replicate is DynamicLayer:
-        cache.layer_class_to_replicate = MLALatentLayer if packed is None else functools.partial(MLALatentLayer, packed)
+        cache.layer_class_to_replicate = functools.partial(MLALatentLayer, packed, dtype, layer_scales(-1))
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and not layer.is_initialized:
-            cache.layers[i] = MLALatentLayer(packed)
+            cache.layers[i] = MLALatentLayer(packed, dtype, layer_scales(i))
     return cache
 
 
 class MLALatentCache(DynamicCache):
     """`DynamicCache` whose full-attention layers are `MLALatentLayer`: pass as ``generate(..., cache=...)``.
 
-    ``packed`` forces the layout of every layer (None: chosen from the device, see `MLALatentLayer`)."""
+    ``packed`` forces the layout of every layer (None: chosen from the device, see `MLALatentLayer`).
+    ``dtype=torch.float8_e4m3fn`` stores the latent in FP8 (see the module docstring); ``scales`` fixes its
+    per-layer `LatentScales` (one for all layers, or a sequence indexed by layer) instead of measuring them.
+    """
 
-    def __init__(self, config=None, packed: bool | None = None, **kwargs):
+    def __init__(self, config=None, packed: bool | None = None, dtype: torch.dtype | None = None, scales=None,
+                 **kwargs):
+        if dtype == FP8 and config is None:
+            raise ValueError("MLALatentCache(dtype=torch.float8_e4m3fn) needs the model's config")
         super().__init__(config=config, **kwargs)
-        adopt_latent_layers(self, packed)
+        adopt_latent_layers(self, packed, dtype, scales)

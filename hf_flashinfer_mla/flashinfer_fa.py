@@ -201,13 +201,15 @@ class GeneratedFa:
     """FlashInfer's generated fa2/fa3 MLA module for one (device, backend, heads, dtype), with its integer
     workspace (which holds the planned schedule the kernel reads) and the pinned scratch its planner writes."""
 
-    def __init__(self, device, backend, num_heads, dtype, rank, rope, int_workspace=None):
+    def __init__(self, device, backend, num_heads, dtype, rank, rope, int_workspace=None, kv_dtype=None):
         surface = generated_surface()
         self.surface, self.device, self.backend, self.num_heads, self.dtype = surface, device, backend, num_heads, dtype
+        self.kv_dtype = kv_dtype or dtype  # float8_e4m3fn: the FP8 latent cache, read in place with its scales
         self.rank = rank
         self.float_workspace = workspace_buffer(device)
         self.refused = self._static_refusal(rope)
-        self.module = surface.get_module(backend, dtype, dtype, dtype, torch.int32, rank, rope, False)
+        self.module = None if self.refused else surface.get_module(
+            backend, dtype, self.kv_dtype, dtype, torch.int32, rank, rope, False)
         if int_workspace is None:
             int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.int_workspace = int_workspace
@@ -220,8 +222,8 @@ class GeneratedFa:
             self.surface.validate_static(
                 backend=self.backend, device=self.device, qo_indptr=torch.zeros(2, dtype=torch.int32),
                 kv_indptr=torch.zeros(2, dtype=torch.int32), kv_indices=empty, kv_len_arr=torch.zeros(1, dtype=torch.int32),
-                head_dim_ckv=self.rank, head_dim_kpe=rope, q_data_type=self.dtype, kv_data_type=self.dtype,
-                output_dtype=self.dtype, scale_mode="default",
+                head_dim_ckv=self.rank, head_dim_kpe=rope, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                output_dtype=self.dtype, scale_mode=scale_mode(self.kv_dtype),
             )
         except self.surface.refused as exc:
             return str(exc)
@@ -238,7 +240,7 @@ class GeneratedFa:
             raise PlanRefused(self.refused)
         try:
             self.surface.validate_workload(rows.qo_indptr, rows.kv_len, self.num_heads, causal, self.device,
-                                           self.backend, self.dtype)
+                                           self.backend, self.kv_dtype)
         except self.surface.refused as exc:
             raise PlanRefused(str(exc)) from None
         plan_info, _ = self.module.plan_with_staged_workspace_bytes(
@@ -247,13 +249,14 @@ class GeneratedFa:
         )
         return plan_info
 
-    def run(self, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float) -> torch.Tensor:
+    def run(self, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float,
+            kv_scales=(1.0, 1.0)) -> torch.Tensor:
         out = torch.empty_like(q_nope)
         self.module.run(
             self.float_workspace, self.int_workspace, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, out, None,
             1 if causal else 0,  # flashinfer.utils.MaskMode CAUSAL / NON_CAUSAL
             self.num_heads, 1, scale,  # heads, page size, softmax scale
-            False, 1.0, 1.0, None,  # return_lse_base_on_e, ckv/kpe scales and scale array (bf16/fp16 cache)
+            False, float(kv_scales[0]), float(kv_scales[1]), None,  # return_lse_base_on_e, ckv/kpe scales, no array
         )
         return out
 
@@ -261,27 +264,34 @@ class GeneratedFa:
 _engines: dict[tuple, GeneratedFa] = {}
 
 
-def generated_fa(device, backend, num_heads, dtype, rank, rope) -> GeneratedFa:
-    """The process-wide eager-mode module and workspaces of this device, backend, head count and dtype."""
-    key = (device, backend, num_heads, dtype, rank, rope)
+def generated_fa(device, backend, num_heads, dtype, rank, rope, kv_dtype=None) -> GeneratedFa:
+    """The process-wide eager-mode module and workspaces of this device, backend, head count and dtypes."""
+    key = (device, backend, num_heads, dtype, rank, rope, kv_dtype or dtype)
     if key not in _engines:
-        _engines[key] = GeneratedFa(device, backend, num_heads, dtype, rank, rope)
+        _engines[key] = GeneratedFa(device, backend, num_heads, dtype, rank, rope, kv_dtype=kv_dtype)
     return _engines[key]
+
+
+def scale_mode(kv_dtype: torch.dtype) -> str:
+    """FlashInfer's scale mode for a KV dtype: per-tensor dequantization scales for an FP8 cache."""
+    return "kv-per-tensor" if kv_dtype == torch.float8_e4m3fn else "default"
 
 
 def _is_refusal(exc: BaseException) -> bool:
     return type(exc).__name__ == "_BackendPlanUnsupportedError"
 
 
-def wrapper_plan(wrapper, rows: PagedRows, kv_indices, causal, scale, num_heads, dtype, rank, rope):
+def wrapper_plan(wrapper, rows: PagedRows, kv_indices, causal, scale, num_heads, dtype, rank, rope, kv_dtype=None):
     """Plan FlashInfer's public wrapper (any release): `PlanRefused` if it declines the workload."""
     from flashinfer.mla import MLAPlanMetadata
 
+    kv_dtype = kv_dtype or dtype
     try:
         wrapper.plan(
             metadata=MLAPlanMetadata.csr(rows.qo_indptr, rows.kv_indptr, kv_indices, rows.kv_len),
             num_heads=num_heads, head_dim_ckv=rank, head_dim_kpe=rope, page_size=1, causal=causal, sm_scale=scale,
-            q_data_type=dtype, kv_data_type=dtype, query_layout="split", kv_cache_layout="split",
+            q_data_type=dtype, kv_data_type=kv_dtype, query_layout="split", kv_cache_layout="split",
+            **({"scale_mode": "kv-per-tensor"} if kv_dtype != dtype else {}),
         )
     except ValueError as exc:
         if _is_refusal(exc):
@@ -296,15 +306,17 @@ class FaStep:
     """The fa2/fa3 metadata of one step on one device, shared by all its layers: the rows, the planned schedule
     (or FlashInfer's refusal), and the page indices per cache pitch."""
 
-    def __init__(self, plan, device, backend, num_heads, dtype, rank, rope, pitch, scale):
+    def __init__(self, plan, device, backend, num_heads, dtype, rank, rope, pitch, scale, kv_dtype=None):
         self.device, self.backend, self.num_heads, self.dtype, self.rank, self.rope = (
             device, backend, num_heads, dtype, rank, rope)
+        self.kv_dtype = kv_dtype or dtype
         self.rows = paged_rows(plan, device)
         self.causal = plan.q_len > 1
         self.refused: str | None = None
         self._indices: dict[int, torch.Tensor] = {}
         self._wrappers: dict[tuple, object] = {}
-        self.engine = generated_fa(device, backend, num_heads, dtype, rank, rope) if uses_generated_module() else None
+        self.engine = (generated_fa(device, backend, num_heads, dtype, rank, rope, self.kv_dtype)
+                       if uses_generated_module() else None)
         try:
             if self.engine is not None:
                 self.plan_info = self.engine.plan(self.rows, self.causal)
@@ -326,39 +338,43 @@ class FaStep:
 
             wrapper = BatchMLAPagedAttentionWrapper(workspace_buffer(self.device), backend=self.backend)
             wrapper_plan(wrapper, self.rows, self.indices(pitch), self.causal, scale, self.num_heads, self.dtype,
-                         self.rank, self.rope)
+                         self.rank, self.rope, self.kv_dtype)
             self._wrappers[(pitch, scale)] = wrapper
         return self._wrappers[(pitch, scale)]
 
-    def run(self, q_nope, q_rope, ckv, kpe, pitch: int, scale: float) -> torch.Tensor:
+    def run(self, q_nope, q_rope, ckv, kpe, pitch: int, scale: float, kv_scales=None) -> torch.Tensor:
+        """`kv_scales`: the (latent, rope) dequantization scales of an FP8 cache, None for bf16/fp16."""
         if self.refused:
             raise PlanRefused(f"{self.backend}: {self.refused}")
         if self.engine is not None:
-            return self.engine.run(self.plan_info, q_nope, q_rope, ckv, kpe, self.indices(pitch), self.causal, scale)
-        return self._wrapper(pitch, scale).run(query=(q_nope, q_rope), kv_cache=(ckv, kpe))
+            return self.engine.run(self.plan_info, q_nope, q_rope, ckv, kpe, self.indices(pitch), self.causal, scale,
+                                   kv_scales or (1.0, 1.0))
+        fp8 = {} if kv_scales is None else {"ckv_scale": float(kv_scales[0]), "kpe_scale": float(kv_scales[1])}
+        return self._wrapper(pitch, scale).run(query=(q_nope, q_rope), kv_cache=(ckv, kpe), **fp8)
 
 
-def fa_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale) -> FaStep:
-    """The step's `FaStep` for this device, backend, head count and dtype (planned by the first layer)."""
+def fa_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale, kv_dtype=None) -> FaStep:
+    """The step's `FaStep` for this device, backend, head count and dtypes (planned by the first layer)."""
     return plan.state(
-        ("fa", device, backend, num_heads, dtype, rank, rope),
-        lambda: FaStep(plan, device, backend, num_heads, dtype, rank, rope, pitch, scale),
+        ("fa", device, backend, num_heads, dtype, rank, rope, kv_dtype or dtype),
+        lambda: FaStep(plan, device, backend, num_heads, dtype, rank, rope, pitch, scale, kv_dtype),
     )
 
 
-def fa_backend_for_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale) -> str:
+def fa_backend_for_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale, kv_dtype=None) -> str:
     """`backend` if FlashInfer accepts this step's plan, else fa2 if that accepts it, else ``"reference"``.
 
     FlashInfer refuses some plans outright (its causal tile bound for 2-8 query tokens at head counts that do
     not divide its query tile; its scheduler's work-item capacity). The step then runs elsewhere, after one
     warning per kind of refusal, rather than raising in the middle of a generation.
     """
-    step = fa_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale)
+    step = fa_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale, kv_dtype)
     if step.refused is None:
         return backend
     fallback, reason = "reference", step.refused
-    if backend == "fa3" and unavailable_reason("fa2", device, dtype, rank, rope, num_heads) is None:
-        fa2 = fa_step(plan, "fa2", device, num_heads, dtype, rank, rope, pitch, scale)
+    fp8 = (kv_dtype or dtype) != dtype  # only fa3's FP8 module is built ahead of time: no fa2 fallback for it
+    if backend == "fa3" and not fp8 and unavailable_reason("fa2", device, dtype, rank, rope, num_heads) is None:
+        fa2 = fa_step(plan, "fa2", device, num_heads, dtype, rank, rope, pitch, scale, kv_dtype)
         if fa2.refused is None:
             fallback = "fa2"
     logger.warning_once(
@@ -369,9 +385,11 @@ def fa_backend_for_step(plan, backend, device, num_heads, dtype, rank, rope, pit
     return fallback
 
 
-def fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale) -> torch.Tensor:
-    """``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output on fa3 or fa2 (planned once per step)."""
+def fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale, kv_scales=None) -> torch.Tensor:
+    """``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output on fa3 or fa2 (planned once per step).
+
+    An FP8 latent (`kv_scales` = its (latent, rope) scales) is read in place: FlashInfer dequantizes in the kernel."""
     q_nope, q_rope, ckv, kpe, pitch = kernel_inputs(q_lat, q_pe, kv_latent, k_rot)
     _, h, _, rank = q_lat.shape
-    step = fa_step(plan, backend, q_lat.device, h, q_lat.dtype, rank, q_pe.shape[-1], pitch, scale)
-    return latent_output(step.run(q_nope, q_rope, ckv, kpe, pitch, scale), q_lat.shape[0])
+    step = fa_step(plan, backend, q_lat.device, h, q_lat.dtype, rank, q_pe.shape[-1], pitch, scale, kv_latent.dtype)
+    return latent_output(step.run(q_nope, q_rope, ckv, kpe, pitch, scale, kv_scales), q_lat.shape[0])
