@@ -69,17 +69,24 @@ def mla_attention_tp_plan(config) -> dict[str, str]:
     }
 
 
-def tp_load_kwargs(extra_plan: dict | None) -> dict:
-    """``from_pretrained`` keywords for tensor parallelism across ``WORLD_SIZE`` ranks.
-
-    Transformers >= 5.2x takes ``distributed_config=DistributedConfig(tp_plan=...)`` (a dict overrides individual
-    rules of the model's plan); older releases (5.17 on the GPU host) take ``tp_plan="auto"``.
-    """
+def supports_plan_override() -> bool:
+    """Whether this Transformers takes ``DistributedConfig(tp_plan={...})`` (5.2x; the GPU host's 5.17 may not)."""
     try:
         from transformers import DistributedConfig
     except ImportError:
-        DistributedConfig = None
-    if DistributedConfig is not None and "tp_plan" in getattr(DistributedConfig, "__dataclass_fields__", {}):
+        return False
+    return "tp_plan" in getattr(DistributedConfig, "__dataclass_fields__", {})
+
+
+def tp_load_kwargs(extra_plan: dict | None) -> dict:
+    """``from_pretrained`` keywords for tensor parallelism across ``WORLD_SIZE`` ranks.
+
+    Transformers 5.2x takes ``distributed_config=DistributedConfig(tp_plan=...)`` (a dict overrides individual
+    rules of the model's plan); older releases take ``tp_plan="auto"``.
+    """
+    if supports_plan_override():
+        from transformers import DistributedConfig
+
         return {"distributed_config": DistributedConfig(tp_plan=extra_plan or "auto")}
     if extra_plan:
         raise SystemExit("DIR@attn-plan needs a transformers release with DistributedConfig(tp_plan={...})")

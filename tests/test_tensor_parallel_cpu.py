@@ -8,9 +8,9 @@ rowwise with an all-reduce) can be checked here exactly. `scripts/tp_parity.py` 
 Per family (DeepSeek-V2, DeepSeek-V3 as shipped and with attention sharded through a plan override, GLM-4.7-Flash,
 MiniCPM3): flashinfer_mla on two ranks equals flashinfer_mla and sdpa on one rank (teacher-forced logits over a
 left-padded batch; greedy tokens), every rank ends with the same logits, and the attention saw the rank's share of
-the heads. Eager is not the oracle here: in float64 it turns the left-padding rows into NaN (Transformers' masking
-adds the dtype minimum twice) and those reach the padded sequences' cached latents. The control rolls the query
-heads on the two ranks (heads misaligned with their ``kv_b_proj`` shard) and must fail the bound.
+the heads. Eager is not the oracle here: its softmax runs in float32, where float64's masking value becomes -inf,
+so fully masked left-padding rows turn into NaN, which reaches the padded sequences' cached latents. The control
+rolls the query heads on the two ranks (heads misaligned with their ``kv_b_proj`` shard) and must fail the bound.
 """
 
 from __future__ import annotations
