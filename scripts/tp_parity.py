@@ -20,7 +20,8 @@ model, and loading the same files keeps the two sides' weights bit-identical.
 
 ``--attn flashinfer_mla:roll-heads`` is a control: the attention function gets its query heads rolled by one
 (query head h meets key/value head h+1), i.e. heads misaligned with ``kv_b_proj``'s shard, the class of fault a
-tensor-parallel MLA bug produces. The comparison must flag it; the JSON counts the calls it was applied to.
+tensor-parallel MLA bug produces. The comparison must flag it; the JSON counts the decode calls it was applied to.
+It records teacher-forced logits only (no greedy run).
 
 A checkpoint given as ``DIR@attn-plan`` also gets its MLA attention sharded by heads, through Transformers' own
 mechanism (``DistributedConfig(tp_plan={...})``, merged into the model's ``base_model_tp_plan``): a prototype for
@@ -249,7 +250,9 @@ def run_checkpoint(args, ckpt: str, attn_plan: bool, out_path: str) -> None:
     else:
         kwargs["device_map"] = args.device if args.device == "cpu" else "cuda:0"
     t0 = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, **kwargs).eval()
+    # The saved architecture, not AutoModelForCausalLM: Transformers 5.24 does not map mistral4 there.
+    cls = getattr(transformers, (config.architectures or ["AutoModelForCausalLM"])[0])
+    model = cls.from_pretrained(ckpt, **kwargs).eval()
     load_s = time.perf_counter() - t0
     device = model.device
     ids, mask, forced, gen_ids = (t.to(device) for t in inputs(
@@ -271,6 +274,10 @@ def run_checkpoint(args, ckpt: str, attn_plan: bool, out_path: str) -> None:
             t0 = time.perf_counter()
             logits = teacher_forced(model, ids, mask, forced, cache_kw)
             tf_s = time.perf_counter() - t0
+            if fault:  # the control needs the logits only
+                results["runs"][spec] = {"logits": logits}
+                meta["runs"][spec] = {"probe": probe.summary(), "teacher_forced_seconds": tf_s}
+                continue
             with torch.no_grad():
                 out = model.generate(input_ids=gen_ids, attention_mask=torch.ones_like(gen_ids),
                                      max_new_tokens=args.gen_tokens, do_sample=False, output_logits=True,
@@ -293,7 +300,7 @@ def run_checkpoint(args, ckpt: str, attn_plan: bool, out_path: str) -> None:
               flush=True)
     if world > 1:
         # Every rank must end with the same logits (lm_head's output is gathered): checked, not assumed.
-        fingerprint = [(spec, r["logits"].double().sum().item(), r["tokens"].tolist())
+        fingerprint = [(spec, r["logits"].double().sum().item(), r.get("tokens", torch.zeros(0)).tolist())
                        for spec, r in results["runs"].items()]
         fingerprints, held = [None] * world, [None] * world
         torch.distributed.all_gather_object(fingerprints, fingerprint)
@@ -338,12 +345,14 @@ def greedy_divergence(ours: dict, oracle: dict, noise: float) -> list[dict]:
 
 
 def compare(one: dict, many: dict, spec: str, oracle_spec: str | None = None) -> dict:
-    """Run `spec` of `many` against run `oracle_spec` (default: the same) of `one`."""
+    """Run `spec` of `many` against run `oracle_spec` (default: the same) of `one`: logits, then greedy tokens."""
     a, b = many["runs"][spec], one["runs"][oracle_spec or spec]
     err, top1 = compare_logits(a["logits"], b["logits"])
     noise = (a["logits"] - b["logits"]).abs().max().item()
-    return {"rel_err": err, "top1": top1, "max_abs_diff": noise,
-            "tokens_equal": torch.equal(a["tokens"], b["tokens"]), "greedy": greedy_divergence(a, b, noise)}
+    result = {"rel_err": err, "top1": top1, "max_abs_diff": noise, "tokens_equal": None, "greedy": []}
+    if "tokens" in a and "tokens" in b:  # faulted runs record no greedy run
+        result.update(tokens_equal=torch.equal(a["tokens"], b["tokens"]), greedy=greedy_divergence(a, b, noise))
+    return result
 
 
 def compare_main(args) -> int:

@@ -5,10 +5,12 @@ GPUs (``kv_b_proj`` a colwise DTensor whose ``.shape`` is global; the query hold
 rowwise with an all-reduce) can be checked here exactly. `scripts/tp_parity.py` is launched twice: in this process
 (one rank) and under ``torchrun --nproc-per-node 2`` (two ranks); both load the same saved checkpoints.
 
-Per family (DeepSeek-V2, DeepSeek-V3 as shipped and with attention sharded through a plan override, GLM-4.7-Flash,
-MiniCPM3): flashinfer_mla on two ranks equals flashinfer_mla and sdpa on one rank (teacher-forced logits over a
-left-padded batch; greedy tokens), every rank ends with the same logits, and the attention saw the rank's share of
-the heads. Eager is not the oracle here: its softmax runs in float32, where float64's masking value becomes -inf,
+For each of the ten dense MLA families (small random models of `conftest.py` and `test_other_models.py`), and for
+DeepSeek-V3 and Mistral 4 with attention sharded through a plan override (`tp_parity.mla_attention_tp_plan`):
+flashinfer_mla on two ranks equals flashinfer_mla and sdpa on one rank (teacher-forced logits over a left-padded
+batch; greedy tokens), every rank ends with the same logits, and the attention saw the rank's share of the heads:
+half of them where the plan shards attention (deepseek_v2, glm4_moe_lite, minicpm3, longcat_flash as shipped), all
+of them where it replicates attention (the other six). Eager is not the oracle here: its softmax runs in float32, where float64's masking value becomes -inf,
 so fully masked left-padding rows turn into NaN, which reaches the padded sequences' cached latents. The control
 rolls the query heads on the two ranks (heads misaligned with their ``kv_b_proj`` shard) and must fail the bound.
 """
@@ -23,7 +25,10 @@ import pytest
 import torch
 import torch.distributed
 
+from conftest import CONFIGS as BASE_CONFIGS
 from conftest import make_model
+from test_other_models import CONFIGS as OTHER_CONFIGS
+from test_other_models import make_model as make_other_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -35,10 +40,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = 1e-6  # float64, as in test_models.py
-FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3")
-# Checkpoint names run on two ranks; "@attn-plan" adds head-sharded attention to deepseek_v3's plan (prototype).
-TP_RUNS = (*FAMILIES, "deepseek_v3@attn-plan")
-SHARDED_ATTENTION = {"deepseek_v2", "glm4_moe_lite", "minicpm3", "deepseek_v3@attn-plan"}
+FAMILIES = (*BASE_CONFIGS, *OTHER_CONFIGS)
+# Checkpoint names run on two ranks; "@attn-plan" adds head-sharded attention to the plan (prototype).
+TP_RUNS = (*FAMILIES, "deepseek_v3@attn-plan", "mistral4@attn-plan")
+SHARDED_ATTENTION = {"deepseek_v2", "glm4_moe_lite", "minicpm3", "longcat_flash", "deepseek_v3@attn-plan",
+                     "mistral4@attn-plan"}
 ARGS = ["--device", "cpu", "--dtype", "float64", "--experts-impl", "eager", "--lengths", "7", "4", "9",
         "--steps", "6", "--gen-prompt", "5", "--gen-tokens", "6"]
 
@@ -47,7 +53,8 @@ ARGS = ["--device", "cpu", "--dtype", "float64", "--experts-impl", "eager", "--l
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     for family in FAMILIES:
-        make_model(family, attn="eager").save_pretrained(root / family)
+        build = make_model if family in BASE_CONFIGS else make_other_model
+        build(family, attn="eager").save_pretrained(root / family)
     # Two ranks, started first so that their start-up overlaps the one-rank run in this process.
     two_dir, one_dir = root / "tp2", root / "tp1"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
@@ -85,7 +92,7 @@ def test_two_ranks_match_one(runs, name):
             assert kv_b["dtensor"] and kv_b["local"][0] * 2 == kv_b["global"][0]
             assert held["o_proj"]["dtensor"] and held["o_proj"]["local"][1] * 2 == held["o_proj"]["global"][1]
         else:
-            assert not kv_b["dtensor"]  # deepseek_v3's shipped plan replicates attention
+            assert not kv_b["dtensor"]  # the shipped plan replicates attention
     assert probe["query_heads"] == [heads // 2 if name in SHARDED_ATTENTION else heads]
     for oracle in ("flashinfer_mla", "sdpa"):
         result = tp_parity.compare(one, two, "flashinfer_mla", oracle)
