@@ -10,9 +10,10 @@ DeepSeek-V3 and Mistral 4 with attention sharded through a plan override (`tp_pa
 flashinfer_mla on two ranks equals flashinfer_mla and sdpa on one rank (teacher-forced logits over a left-padded
 batch; greedy tokens), every rank ends with the same logits, and the attention saw the rank's share of the heads:
 half of them where the plan shards attention (deepseek_v2, glm4_moe_lite, minicpm3, longcat_flash as shipped), all
-of them where it replicates attention (the other six). Eager is not the oracle here: its softmax runs in float32, where float64's masking value becomes -inf,
-so fully masked left-padding rows turn into NaN, which reaches the padded sequences' cached latents. The control
-rolls the query heads on the two ranks (heads misaligned with their ``kv_b_proj`` shard) and must fail the bound.
+of them where it replicates attention (the other six). Eager is not the oracle here: its softmax runs in float32,
+where float64's masking value becomes -inf, so fully masked left-padding rows turn into NaN, which reaches the
+padded sequences' cached latents. The control rolls the query heads on the two ranks (heads misaligned with their
+``kv_b_proj`` shard) and must fail the bound.
 """
 
 from __future__ import annotations
