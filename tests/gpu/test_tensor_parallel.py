@@ -65,12 +65,12 @@ def runs():
           "--ckpt", ckpt["v3-attn"]])
     one, two = os.path.join(ROOT, "out", "tp1"), os.path.join(ROOT, "out", "tp2")
     _run([sys.executable, SCRIPT, "run", "--ckpt", *ckpt.values(), "--out", one, "--attn", *ATTNS])
-    _run(_torchrun("run", "--ckpt", *ckpt.values(), "--out", two, "--attn", *ATTNS, "flashinfer_mla:roll-heads"))
     names = {"v2-lite": "v2-lite", "v3-attn": "v3-attn-4l"}
+    tp_ckpts = list(ckpt.values())
     if tp_parity.supports_plan_override():
-        _run(_torchrun("run", "--ckpt", ckpt["v3-attn"] + "@attn-plan", "--out", two,
-                       "--attn", *ATTNS, "flashinfer_mla:roll-heads"))
+        tp_ckpts.append(ckpt["v3-attn"] + "@attn-plan")
         names["v3-attn@attn-plan"] = "v3-attn-4l@attn-plan"
+    _run(_torchrun("run", "--ckpt", *tp_ckpts, "--out", two, "--attn", *ATTNS, "flashinfer_mla:roll-heads"))
 
     def load(path):
         return torch.load(path, weights_only=True)
