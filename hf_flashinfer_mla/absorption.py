@@ -109,7 +109,9 @@ DEQUANTIZERS: dict[str, Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, t
 def _source_key(proj: nn.Module, dtype: torch.dtype) -> tuple:
     """Identity and version of everything the module computes with: any change (``load_state_dict``, ``.to()``,
     an optimizer step, a copy of the module) re-derives the dense copy."""
-    tensors = [t for n, t in proj.named_parameters()] + [t for n, t in proj.named_buffers() if not n.endswith(_DENSE)]
+    # (a DTensor's own data_ptr() is 0: its local shard is what changes when the weight does)
+    tensors = [_local(t) for n, t in proj.named_parameters()]
+    tensors += [_local(t) for n, t in proj.named_buffers() if not n.endswith(_DENSE)]
     return (
         dtype,
         tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in tensors),

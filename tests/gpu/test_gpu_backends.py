@@ -235,9 +235,9 @@ def test_bounds_catch_wrong_scale_and_mask(shaped, monkeypatch):
     launches, leaks = [], []
     real_run, real_rows = flashinfer_fa.FaStep.run, flashinfer_fa.paged_rows
 
-    def wrong_scale(self, q_nope, q_rope, ckv, kpe, pitch, scale):
+    def wrong_scale(self, q_nope, q_rope, ckv, kpe, pitch, scale, *fp8_scales):
         launches.append(scale)
-        return real_run(self, q_nope, q_rope, ckv, kpe, pitch, scale * 1.1)
+        return real_run(self, q_nope, q_rope, ckv, kpe, pitch, scale * 1.1, *fp8_scales)
 
     with monkeypatch.context() as m:
         m.setattr(flashinfer_fa.FaStep, "run", wrong_scale)
