@@ -164,6 +164,16 @@ class MLALatentLayer(DynamicLayer):
         self._refresh_views()
         return self.keys, self.values
 
+    def reserve(self, tokens: int) -> None:
+        """Grow the capacity to at least `tokens` rows per sequence now (one copy of what is cached), so that a
+        known final length (prompt + max_new_tokens) never regrows. Needs one update first (batch, widths)."""
+        if not self.is_initialized or self._buffers is None:
+            raise ValueError("reserve() needs the layer's first update (it fixes batch size and widths)")
+        if tokens > self.capacity:
+            k, v = self.keys[:, :, :0], self.values[:, :, :0]
+            self._grow(self._buffers[0].shape[0], tokens, k, v)
+            self._refresh_views()
+
     # Transformers' batch and length operations, applied to the buffer rather than to the views.
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
