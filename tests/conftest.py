@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers.utils import logging
 
 import hf_flashinfer_mla  # noqa: F401  (registers "flashinfer_mla")
 
@@ -120,6 +121,14 @@ def teacher_forced_logits(model, ids, mask, forced, cache):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_once():
+    """Each test sees every warn-once/info-once message afresh (they are cached per process by Transformers)."""
+    logging.warning_once.cache_clear()
+    logging.info_once.cache_clear()
+    yield
 
 
 @pytest.fixture(params=list(CONFIGS))
