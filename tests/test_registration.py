@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, left_padded_batch, make_model, rel_err
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from conftest import VOCAB, decode_logits, left_padded_batch, make_model, rel_err
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_flashinfer_mla
@@ -14,21 +14,10 @@ from hf_flashinfer_mla import absorption, attention
 from hf_flashinfer_mla.errors import BackendUnavailableError, CacheLayoutError, UnsupportedModelError
 
 
-def _logits(model, ids, mask):
-    return model(input_ids=ids, attention_mask=mask).logits
-
-
 def _decode_logits(model, steps=3, **kwargs):
     # Unpadded: eager in float64 turns the fully masked rows of a left-padded prefill into NaN (see shared NOTES).
     ids, mask, _ = left_padded_batch(lengths=(5, 5))
-    out = model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config), use_cache=True)
-    logits = []
-    for _ in range(steps):
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
-        out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, cache=out.cache, use_cache=True,
-                    **kwargs)
-        logits.append(out.logits)
-    return torch.cat(logits, 1)
+    return decode_logits(model, ids, mask, steps=steps, **kwargs)
 
 
 def test_import_registers_attention_and_mask_functions():
