@@ -9,9 +9,15 @@ Backends:
   ``reference``  plain PyTorch (``reference.py``): any device, dtype and latent width.
 
 ``auto`` (the default) takes the kernel for the GPU at hand and falls back to ``reference`` with one warning where
-that kernel cannot serve (CPU, float32/float64, a latent that is not 512 + 64). A backend can be forced
-with, first to last: ``mla_backend=...`` passed to ``generate``/``forward``, ``mla_backend=...`` passed to
-``from_pretrained`` (it lands on the config), the environment variable ``HF_FLASHINFER_MLA_BACKEND``. Forcing a backend that cannot run raises
+that kernel cannot serve (CPU, float32/float64, a latent that is not 512 + 64). A forced backend is a runtime setting,
+never a property of a checkpoint. It comes from, first to last:
+
+1. ``mla_backend=...`` passed to ``generate()`` or to the model's forward (this call only);
+2. ``mla_backend=...`` passed to ``from_pretrained``/``from_config`` (kept on the loaded model's config as
+   `LOAD_ATTR`, a private attribute that ``save_pretrained`` never writes);
+3. the environment variable ``HF_FLASHINFER_MLA_BACKEND``.
+
+An unknown name fails at the call that passes it. Forcing a backend that cannot run raises
 `BackendUnavailableError` saying why.
 """
 
@@ -33,6 +39,9 @@ BACKENDS = ("auto", "reference", "fa3", "fa2", "trtllm-gen", "cute-dsl")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_DIMS = (512, 64)  # (kv_lora_rank, qk_rope_head_dim) the FlashInfer MLA kernels are built for
 BLACKWELL = ((10, 0), (10, 3))
+# Where the load option lives on a loaded model's config: a private attribute that `save_pretrained` drops
+# (registration.py), so that a checkpoint never carries it.
+LOAD_ATTR = "_flashinfer_mla_backend"
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -114,9 +123,14 @@ def _resolve(call_value: str | None, load_value: str | None) -> str:
     return "auto"
 
 
+def load_backend(config) -> str | None:
+    """The ``mla_backend=`` given to ``from_pretrained``/``from_config`` of the model that owns `config`, if any."""
+    return getattr(config, LOAD_ATTR, None)
+
+
 def requested_backend(call_value: str | None = None, config=None) -> str:
-    """The backend asked for: `call_value`, then ``config.mla_backend``, then ``$HF_FLASHINFER_MLA_BACKEND``."""
-    return _resolve(call_value, getattr(config, "mla_backend", None))
+    """The backend asked for: `call_value`, then the load option kept on `config`, then ``$HF_FLASHINFER_MLA_BACKEND``."""
+    return _resolve(call_value, load_backend(config))
 
 
 def backend_and_reason(

@@ -9,7 +9,7 @@ import torch
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla import BackendUnavailableError, dispatch
-from hf_flashinfer_mla.dispatch import ENV_VAR, backend_and_reason, choose_backend, requested_backend
+from hf_flashinfer_mla.dispatch import ENV_VAR, LOAD_ATTR, backend_and_reason, choose_backend, requested_backend
 
 GPU = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -324,9 +324,11 @@ def test_backend_list():
 
 
 class _Config:
+    """A config carrying a load option, as from_pretrained/from_config leave it."""
+
     def __init__(self, mla_backend=None):
         if mla_backend is not None:
-            self.mla_backend = mla_backend
+            setattr(self, LOAD_ATTR, mla_backend)
 
 
 def test_requested_default_is_auto():
@@ -359,9 +361,16 @@ def test_requested_call_beats_config_without_env():
 
 def test_requested_config_none_attribute_falls_through(monkeypatch):
     cfg = _Config()
-    cfg.mla_backend = None
+    setattr(cfg, LOAD_ATTR, None)
     monkeypatch.setenv(ENV_VAR, "reference")
     assert requested_backend(None, cfg) == "reference"
+
+
+def test_requested_ignores_a_public_config_attribute(monkeypatch):
+    """A checkpoint's config.json may say "mla_backend" (older versions of this package wrote it): not a setting."""
+    cfg = _Config()
+    cfg.mla_backend = "fa3"
+    assert requested_backend(None, cfg) == "auto"
 
 
 def test_requested_explicit_auto_from_call(monkeypatch):
