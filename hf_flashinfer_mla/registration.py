@@ -27,13 +27,18 @@ import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.utils import logging
 
 from .attention import MAX_DECODE_QUERY, flashinfer_mla_attention_forward
 from .cache import adopt_latent_layers
 from .dispatch import LOAD_ATTR, requested_backend, validate_backend
+from .errors import UnsupportedModelError
 from .flashinfer_fa import note_mask_built_in_graph, plan_graph_wrappers
 from .metadata import attach_plan
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
+
+logger = logging.get_logger("hf_flashinfer_mla")
+
 
 def flashinfer_mla_mask(
     batch_size: int,
@@ -73,12 +78,41 @@ def flashinfer_mla_mask(
     return mask
 
 
-def _adopt(model: PreTrainedModel) -> str:
-    """The attention implementation `model` gets when ``"flashinfer_mla"`` is asked for, or an error saying why not."""
-    check_model_supported(model.config)
-    requested_backend(None, model.config)  # an unknown $HF_FLASHINFER_MLA_BACKEND fails at load, not at the first step
-    install_latent_hook(type(model))
-    return ATTN_NAME
+def _text_config_key(config, text_config) -> str:
+    return next((key for key in config.sub_configs if getattr(config, key, None) is text_config), "text_config")
+
+
+def _adopt(model: PreTrainedModel, is_init_check: bool, original) -> str:
+    """The attention implementation `model` gets when ``"flashinfer_mla"`` is asked for, or an error saying why not.
+
+    A causal LM over dense MLA gets it (with its ``expand_kv`` hooked). A multimodal model whose text model is dense
+    MLA gets it on the text model only: at load time the name, which Transformers has spread over every sub-config,
+    is kept on the text config and taken off the others (vision towers and the like get Transformers' default, as
+    does the wrapper model itself); the text model's own check then hooks it. After loading, Transformers would hand
+    the name to every sub-model unchecked, so there the text model must be named explicitly.
+    """
+    text_config = check_model_supported(model.config)
+    requested_backend(None, text_config)  # an unknown $HF_FLASHINFER_MLA_BACKEND fails at load, not at the first step
+    if text_config is model.config:
+        install_latent_hook(type(model))
+        return ATTN_NAME
+    key = _text_config_key(model.config, text_config)
+    if not is_init_check:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is multimodal: {ATTN_NAME} can run its text model ({text_config.model_type}) "
+            f"only. Call model.set_attn_implementation({{{key!r}: {ATTN_NAME!r}}}) to switch the text model alone."
+        )
+    configs = [model.config]
+    while configs:
+        config = configs.pop()
+        for sub in (getattr(config, k, None) for k in config.sub_configs):
+            if isinstance(sub, PreTrainedConfig) and sub is not text_config:
+                if sub._attn_implementation == ATTN_NAME:
+                    sub._attn_implementation_internal = None  # Transformers' default for this sub-model
+                configs.append(sub)
+    text_config._attn_implementation_internal = ATTN_NAME
+    logger.info(f"{type(model).__name__}: {ATTN_NAME} runs the text model ({key}); other parts keep the default.")
+    return original(model, None, is_init_check)
 
 
 def _checked(original):
@@ -86,10 +120,23 @@ def _checked(original):
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
         if attn_implementation != ATTN_NAME:
             return original(self, attn_implementation, is_init_check, **kwargs)
-        return _adopt(self)
+        return _adopt(self, is_init_check, functools.partial(original, **kwargs))
 
     _check_and_adjust_attn_implementation._flashinfer_mla_check = True
     return _check_and_adjust_attn_implementation
+
+
+def _checked_submodel(original):
+    # `set_attn_implementation` sets sub-models (a multimodal model's text model) through this method, not the one
+    # above; without the same check the text model would run flashinfer_mla with its expand_kv not hooked.
+    @functools.wraps(original)
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        if requested_attention != ATTN_NAME:
+            return original(self, requested_attention, is_init_check)
+        return _adopt(self, is_init_check, original)
+
+    get_correct_attn_implementation._flashinfer_mla_check = True
+    return get_correct_attn_implementation
 
 
 def _with_load_option(original):
@@ -167,6 +214,7 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, flashinfer_mla_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, flashinfer_mla_mask)
     _patch(PreTrainedModel, "_check_and_adjust_attn_implementation", _checked, "_flashinfer_mla_check")
+    _patch(PreTrainedModel, "get_correct_attn_implementation", _checked_submodel, "_flashinfer_mla_check")
     for name in ("from_pretrained", "_from_config"):
         _patch(PreTrainedModel, name, _with_load_option, "_flashinfer_mla_load", unwrap=lambda m: m.__func__)
     _patch(PreTrainedConfig, "to_dict", _not_serialized, "_flashinfer_mla_not_serialized")

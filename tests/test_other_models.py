@@ -1,10 +1,23 @@
-"""The family registry itself (``conftest.FAMILIES``); the families are compared against eager in ``test_models.py``."""
+"""The family registry itself, and multimodal models whose text model is a dense MLA model.
+
+Transformers 5.24 has one such model: Kimi-K2.5 (``kimi_k25``: a vision tower around a ``deepseek_v3`` text model,
+configured as ``{"model_type": "kimi_k25", "text_config": {...}, "vision_config": {...}}``). Kimi-VL is not part of
+Transformers (remote code only). The multimodal models with sparse (DSA) text models (GLM-5-next, HY-V4-VL,
+Mistral-Large-4, dots3-note) are refused for that reason, also when their text model is loaded alone.
+"""
 
 from __future__ import annotations
 
-from conftest import FAMILIES, HYBRIDS, make_model, mla_layers
+import pytest
+import torch
+import transformers
+from conftest import FAMILIES, HYBRIDS, decode_logits, make_model, mla_layers, rel_err
+from transformers import AttentionInterface
 
 import hf_flashinfer_mla
+from hf_flashinfer_mla import UnsupportedModelError
+
+TOL = 1e-6
 
 
 def test_registry_covers_every_dense_mla_type():
@@ -23,3 +36,124 @@ def test_tiny_config_keeps_the_family_structure(model_type):
         assert config.layer_types.count("linear_attention") >= 1
     else:
         assert n_mla == config.num_hidden_layers
+
+
+# ---------------------------------------------------------------------------------------------------- multimodal
+
+
+def kimi_k25_config(**text_overrides):
+    text = {"model_type": "deepseek_v3", **FAMILIES["deepseek_v3"][1], **text_overrides}
+    vision = dict(num_attention_heads=2, num_hidden_layers=1, hidden_size=16, intermediate_size=32, patch_size=2,
+                  pos_emb_height=4, pos_emb_width=4)
+    return transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=16,
+                                       image_token_id=90, video_token_id=91, vision_start_token_id=92,
+                                       vision_end_token_id=93)
+
+
+def kimi_k25(attn="flashinfer_mla"):
+    torch.manual_seed(0)
+    return transformers.AutoModelForImageTextToText.from_config(
+        kimi_k25_config(), attn_implementation=attn, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+
+
+def implementations(model):
+    return model.config._attn_implementation, model.config.text_config._attn_implementation, \
+        model.config.vision_config._attn_implementation
+
+
+def test_multimodal_text_model_runs_flashinfer_mla_and_matches_eager():
+    model = kimi_k25()
+    # The text model runs flashinfer_mla; the vision tower and the wrapper keep Transformers' default.
+    assert implementations(model) == ("sdpa", "flashinfer_mla", "sdpa")
+    ids = torch.randint(1, 80, (2, 10), generator=torch.Generator().manual_seed(1))  # > 8 tokens: an expanded prefill
+    mask = torch.ones_like(ids)
+    forced = torch.randint(1, 80, (2, 5), generator=torch.Generator().manual_seed(2))
+    rows = []
+    hooks = [m.kv_b_proj.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[:-1].numel()))
+             for m in mla_layers(model)]
+    ours = decode_logits(model, ids, mask, forced=forced)
+    assert len(hooks) == 2 and sum(rows) == ids.numel() * len(hooks)  # decode steps absorbed: prefill rows only
+    out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert all(isinstance(layer, hf_flashinfer_mla.MLALatentLayer) for layer in out.cache.layers)
+    for h in hooks:
+        h.remove()
+    model.set_attn_implementation({"text_config": "eager"})
+    assert implementations(model) == ("sdpa", "eager", "sdpa")
+    assert rel_err(ours, decode_logits(model, ids, mask, forced=forced)) < TOL
+    assert torch.equal(out.sequences, model.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
+
+
+def test_multimodal_image_forward_keeps_the_vision_tower_off_flashinfer_mla(monkeypatch):
+    model = kimi_k25()
+    callers = []
+    ours = AttentionInterface._global_mapping["flashinfer_mla"]
+
+    def spy(module, *args, **kwargs):
+        callers.append(type(module).__name__)
+        return ours(module, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "flashinfer_mla", spy)
+    pixels = torch.randn(16, 3, 2, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    inputs = dict(input_ids=torch.tensor([[5, 92, 90, 90, 90, 90, 93, 7, 8]]), pixel_values=pixels,
+                  image_grid_thw=torch.tensor([[1, 4, 4]]))
+    logits = model(**inputs).logits
+    assert callers == ["DeepseekV3Attention"] * 2
+    model.set_attn_implementation({"text_config": "eager"})
+    assert rel_err(logits, model(**inputs).logits) < TOL
+
+
+def test_multimodal_switching_after_load_names_the_text_model():
+    model = kimi_k25(attn="sdpa")
+    with pytest.raises(UnsupportedModelError, match=r"multimodal.*deepseek_v3.*set_attn_implementation\(\{'text_config'"):
+        model.set_attn_implementation("flashinfer_mla")
+    assert implementations(model) == ("sdpa", "sdpa", "sdpa")
+    model.set_attn_implementation({"text_config": "flashinfer_mla"})
+    assert implementations(model) == ("sdpa", "flashinfer_mla", "sdpa")
+    ids = torch.randint(1, 80, (1, 5), generator=torch.Generator().manual_seed(4))
+    ours = decode_logits(model, ids, torch.ones_like(ids), steps=3)  # needs the expand_kv hook, or it raises
+    model.set_attn_implementation({"text_config": "eager"})
+    assert rel_err(ours, decode_logits(model, ids, torch.ones_like(ids), steps=3)) < TOL
+
+
+def test_multimodal_checkpoint_loads_with_flashinfer_mla(tmp_path):
+    kimi_k25(attn="eager").save_pretrained(tmp_path)  # config.json nests {"text_config": {...}, ...}
+    model = transformers.AutoModelForImageTextToText.from_pretrained(
+        tmp_path, attn_implementation="flashinfer_mla", mla_backend="reference", dtype=torch.float64,
+        experts_implementation="eager",
+    )
+    assert implementations(model) == ("sdpa", "flashinfer_mla", "sdpa")
+    assert hf_flashinfer_mla.dispatch.requested_backend(None, model.config.text_config) == "reference"
+
+
+@pytest.mark.parametrize("model_type", ["glm5_next", "hy_v4_vl", "mistral_large4", "dots3_note"])
+def test_multimodal_sparse_models_are_refused_as_sparse_also_their_text_model(model_type):
+    config = transformers.AutoConfig.for_model(model_type)
+    text = config.get_text_config(decoder=True)
+    assert text is not config
+    for cfg in (config, text):
+        with pytest.raises(UnsupportedModelError, match="Sparse Attention"):
+            hf_flashinfer_mla.models.check_model_supported(cfg)
+
+
+def test_multimodal_model_with_a_plain_dict_text_config_is_refused_with_the_reason():
+    class RemoteStyleConfig(transformers.PreTrainedConfig):  # remote code that keeps its text_config as a dict
+        model_type = "remote_vl"
+
+        def __init__(self, text_config=None, **kwargs):
+            self.text_config = text_config
+            super().__init__(**kwargs)
+
+    config = RemoteStyleConfig(text_config={"model_type": "deepseek_v3"})
+    with pytest.raises(UnsupportedModelError, match="plain dict"):
+        hf_flashinfer_mla.models.check_model_supported(config)
+    config = RemoteStyleConfig(text_config={"model_type": "llama"})
+    with pytest.raises(UnsupportedModelError, match=r'"remote_vl" \(text model "llama"\) is not one'):
+        hf_flashinfer_mla.models.check_model_supported(config)
+
+
+def test_multimodal_model_over_a_non_mla_text_model_is_refused():
+    config = transformers.AutoConfig.for_model("llava")
+    with pytest.raises(UnsupportedModelError, match=r'"llava" \(text model "llama"\) is not one'):
+        transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="flashinfer_mla")
+
