@@ -1,7 +1,8 @@
 """``python -m hf_flashinfer_mla``: what this machine would run, and why.
 
 Prints the GPU and its compute capability, the FlashInfer / Transformers / torch versions, and the decode backend
-``auto`` picks for common head counts and dtypes (with the reason wherever it falls back to PyTorch).
+for common dtypes and numbers of query heads per device, then, below the table, why wherever it is not the GPU's own
+kernel. The whole table is computed before anything is printed, so no log line lands inside it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import importlib.metadata as md
 import torch
 
 from . import dispatch
+from .errors import BackendUnavailableError
 
 HEADS = (8, 16, 20, 24, 32, 64, 96, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WIDTH = 11
 
 
 def _version(name: str) -> str:
@@ -24,6 +27,35 @@ def _version(name: str) -> str:
         return "not installed"
 
 
+def _table(device, rank, rope, requested):
+    """``(rows, notes)``: per dtype the backend of each head count, and per distinct reason the cells it explains."""
+    rows, notes = {}, {}
+    for dtype in DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        row = []
+        for h in HEADS:
+            try:
+                backend, reason = dispatch.backend_and_reason(device, dtype, rank, rope, h, requested)
+            except BackendUnavailableError as exc:
+                backend, reason = "error", str(exc)
+            row.append(backend)
+            if reason:
+                notes.setdefault((backend, reason), {}).setdefault(name, []).append(h)
+        rows[name] = row
+    return rows, notes
+
+
+def _where(cells: dict[str, list[int]]) -> str:
+    """``{"bfloat16": [8, 16], "float16": [8, 16]}`` -> ``"bfloat16, float16: 8, 16 heads"``."""
+    by_heads: dict[tuple[int, ...], list[str]] = {}
+    for dtype, heads in cells.items():
+        by_heads.setdefault(tuple(heads), []).append(dtype)
+    return "; ".join(
+        f"{', '.join(dtypes)}: {'every head count' if heads == HEADS else ', '.join(map(str, heads)) + ' heads'}"
+        for heads, dtypes in by_heads.items()
+    )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -31,6 +63,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rope-dim", type=int, default=64)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    requested = dispatch.requested_backend()  # the environment (an unknown value raises here, naming the variable)
+    rows, notes = _table(device, args.kv_lora_rank, args.rope_dim, requested)
+
     print(f"torch {torch.__version__}, transformers {_version('transformers')}, "
           f"flashinfer-python {_version('flashinfer-python')}, hf-flashinfer-mla {_version('hf-flashinfer-mla')}")
     if device.type == "cuda":
@@ -38,28 +73,16 @@ def main(argv=None) -> None:
         print(f"device {device}: {torch.cuda.get_device_name(device)}, compute capability {cc[0]}.{cc[1]}")
     else:
         print(f"device {device}: no GPU; every decode runs on the PyTorch reference backend")
-    requested = dispatch.requested_backend()
-    print(f"requested backend: {requested} (${dispatch.ENV_VAR} or mla_backend=...)")
+    print(f"requested backend: {requested} (${dispatch.ENV_VAR}; mla_backend=... at load or per call overrides it)")
     print(f"latent: kv_lora_rank {args.kv_lora_rank} + rope {args.rope_dim}\n")
-    print(f"{'dtype':<16}" + "".join(f"{h:>12}" for h in HEADS))
-    notes = []
-    for dtype in DTYPES:
-        row = []
-        for h in HEADS:
-            try:
-                row.append(dispatch.choose_backend(device, dtype, args.kv_lora_rank, args.rope_dim, h, requested))
-            except dispatch.BackendUnavailableError as exc:
-                row.append("error")
-                notes.append(f"{dtype} / {h} heads: {exc}")
-        name = str(dtype).replace("torch.", "")
-        print(f"{name:<16}" + "".join(f"{c:>12}" for c in row))
-        if "reference" in row and requested == "auto":
-            cc = dispatch.device_capability(device)
-            kernel = (dispatch.preferred_kernel(cc, HEADS[0]) if cc else None) or "fa2"
-            why = dispatch.unavailable_reason(kernel, device, dtype, args.kv_lora_rank, args.rope_dim, HEADS[0])
-            notes.append(f"{name}: reference because {why}")
-    for note in dict.fromkeys(notes):
-        print(f"  {note}")
+    print("decode backend by dtype and number of query heads per device:")
+    print(f"{'dtype':<{WIDTH}}" + "".join(f"{f'{h} heads':>{WIDTH}}" for h in HEADS))
+    for name, row in rows.items():
+        print(f"{name:<{WIDTH}}" + "".join(f"{backend:>{WIDTH}}" for backend in row))
+    if notes:
+        print()
+    for (backend, reason), cells in notes.items():
+        print(f"{backend} because {reason} ({_where(cells)})" if backend != "error" else f"error ({_where(cells)}): {reason}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from transformers.utils import logging
 from .absorption import absorb_query, absorbed_weights, project_output
 from .cache import FP8, dequantize_latent, latent_scales
 from .cuda_graphs import mask_planned_outside_graph, plan_always_accepted  # also registers the graph op
-from .dispatch import backend_for_graph, choose_backend, requested_backend
+from .dispatch import backend_for_graph, choose_backend, load_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
 from .flashinfer_fa import cache_rows, fa_backend_for_step, fa_decode
 from .metadata import MAX_DECODE_QUERY, StepPlan, as_bool_mask, step_plan
@@ -55,6 +55,8 @@ def flashinfer_mla_attention_forward(
             'attention to "eager" if you need them.'
         )
     kv_latent, k_rot = _check_latent(module, key, value)
+    if mla_backend is not None and not torch.compiler.is_compiling():
+        requested_backend(mla_backend, module.config)  # an unknown name fails at the call, prefill included
     weights = None
     if query.shape[2] <= MAX_DECODE_QUERY and not (module.training and dropout > 0):
         weights = absorbed_weights(module, query.dtype)
@@ -86,8 +88,7 @@ def flashinfer_mla_attention_forward(
                 '"static") for CUDA graphs.'
             )
         dims = (kv_latent.shape[-1], k_rot.shape[-1], weights.num_heads)
-        backend = backend_for_graph(str(query.device), query.dtype, *dims, mla_backend,
-                                    getattr(module.config, "mla_backend", None))
+        backend = backend_for_graph(str(query.device), query.dtype, *dims, mla_backend, load_backend(module.config))
         o_lat = decode_latent_graph(backend, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale)
     else:
         plan = step_plan(attention_mask, module)
@@ -105,7 +106,7 @@ def step_backend(plan: StepPlan, module: nn.Module, q_lat, kv_latent, k_rot, mla
     reference backend. An FP8 latent is read in place by fa3 (bf16 queries, 512 + 64); anything else reads it
     dequantized, after one warning."""
     device, dtype, heads, rank, rope = q_lat.device, q_lat.dtype, q_lat.shape[1], kv_latent.shape[-1], k_rot.shape[-1]
-    config_value = getattr(module.config, "mla_backend", None)
+    config_value = load_backend(module.config)
     stored = kv_latent.dtype
 
     def choose():

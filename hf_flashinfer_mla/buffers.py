@@ -37,8 +37,9 @@ def multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device | str) -> 
 
     The kernel resets every counter it used before it exits, so the buffer is zeroed once at allocation and then
     reused by every launch on that device (FlashInfer's functional entry point would otherwise allocate and zero a
-    new one per call). Size it with ``flashinfer.utils.get_trtllm_gen_multi_ctas_kv_counter_bytes`` for the
-    worst-case batch; it is replaced by a larger zeroed buffer only when more bytes are asked for.
+    new one per call). It only grows: a request for more bytes than it holds replaces it by a larger zeroed buffer,
+    any other request returns it as it is. `trtllm.counter_buffer` asks for a worst case (a power-of-two token count,
+    at least 1024 tokens), so that a decode loop does not re-size it from call to call.
     """
     device = _key(device)
     buf = _counters.get(device)

@@ -221,7 +221,10 @@ def adopt_latent_layers(cache: DynamicCache, packed: bool | None = None, dtype: 
         return scales[i] if isinstance(scales, (list, tuple)) else scales
 
     if cache.layer_class_to_replicate is DynamicLayer:
-        cache.layer_class_to_replicate = functools.partial(MLALatentLayer, packed, dtype, layer_scales(-1))
+        options = (packed, dtype, layer_scales(-1))
+        cache.layer_class_to_replicate = (
+            functools.partial(MLALatentLayer, *options) if any(o is not None for o in options) else MLALatentLayer
+        )
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and not layer.is_initialized:
             cache.layers[i] = MLALatentLayer(packed, dtype, layer_scales(i))

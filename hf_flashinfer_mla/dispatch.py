@@ -9,29 +9,39 @@ Backends:
   ``reference``  plain PyTorch (``reference.py``): any device, dtype and latent width.
 
 ``auto`` (the default) takes the kernel for the GPU at hand and falls back to ``reference`` with one warning where
-that kernel cannot serve (CPU, float32/float64, a latent that is not 512 + 64). A backend can be forced with the
-environment variable ``HF_FLASHINFER_MLA_BACKEND``, with ``mla_backend=...`` passed to ``from_pretrained`` (it lands
-on the config), or with ``mla_backend=...`` passed to ``generate``/``forward`` (call time wins, then the config, then
-the environment). Forcing a backend that cannot run raises `BackendUnavailableError` saying why.
+that kernel cannot serve (CPU, float32/float64, a latent that is not 512 + 64). A forced backend is a runtime setting,
+never a property of a checkpoint. It comes from, first to last:
+
+1. ``mla_backend=...`` passed to ``generate()`` or to the model's forward (this call only);
+2. ``mla_backend=...`` passed to ``from_pretrained``/``from_config`` (kept on the loaded model's config as
+   `LOAD_ATTR`, a private attribute that ``save_pretrained`` never writes);
+3. the environment variable ``HF_FLASHINFER_MLA_BACKEND``.
+
+An unknown name fails at the call that passes it. Forcing a backend that cannot run raises
+`BackendUnavailableError` saying why.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import torch
+from transformers.utils import logging
 
 from .errors import BackendUnavailableError
+from .trtllm import trtllm_gen_supports_num_heads
 
-logger = logging.getLogger("hf_flashinfer_mla")
+logger = logging.get_logger("hf_flashinfer_mla")
 
 ENV_VAR = "HF_FLASHINFER_MLA_BACKEND"
 BACKENDS = ("auto", "reference", "fa3", "fa2", "trtllm-gen", "cute-dsl")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_DIMS = (512, 64)  # (kv_lora_rank, qk_rope_head_dim) the FlashInfer MLA kernels are built for
 BLACKWELL = ((10, 0), (10, 3))
+# Where the load option lives on a loaded model's config: a private attribute that `save_pretrained` drops
+# (registration.py), so that a checkpoint never carries it.
+LOAD_ATTR = "_flashinfer_mla_backend"
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -43,6 +53,8 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=None)
 def _flashinfer_import_error() -> str | None:
+    # Imported here, not at the top: `flashinfer.mla` takes seconds to import and may raise on a broken CUDA install;
+    # neither should happen to a CPU user, and the error becomes the reason a kernel cannot run.
     try:
         import flashinfer.mla  # noqa: F401
     except Exception as exc:  # an ImportError, or a broken CUDA install raising at import
@@ -73,19 +85,15 @@ def unavailable_reason(
         return f"fa2 needs compute capability 8.0 or newer, this GPU has {arch}"
     if backend in ("trtllm-gen", "cute-dsl") and cc not in BLACKWELL:
         return f"{backend} runs on SM100/SM103 (B200, GB200, B300) only, this GPU has {arch}"
-    if backend == "trtllm-gen":
-        from .trtllm import trtllm_gen_supports_num_heads
-
-        if not trtllm_gen_supports_num_heads(num_heads):
-            return f"trtllm-gen cannot tile {num_heads} heads (use cute-dsl)"
+    if backend == "trtllm-gen" and not trtllm_gen_supports_num_heads(num_heads):
+        return f"trtllm-gen cannot tile {num_heads} heads (use cute-dsl)"
     return _flashinfer_import_error()
 
 
 def preferred_kernel(cc: tuple[int, int], num_heads: int) -> str | None:
-    """The kernel `auto` picks for a compute capability, before checking dtype and dims."""
+    """The kernel `auto` picks for a compute capability, before checking dtype and dims. fa3 and fa2 refuse for the
+    same reasons (dtype, latent dims, FlashInfer missing), so on Hopper there is no second choice to try."""
     if cc in BLACKWELL:
-        from .trtllm import trtllm_gen_supports_num_heads
-
         return "trtllm-gen" if trtllm_gen_supports_num_heads(num_heads) else "cute-dsl"
     if cc[0] == 9:
         return "fa3"
@@ -94,24 +102,68 @@ def preferred_kernel(cc: tuple[int, int], num_heads: int) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    logger.warning(message)
+def validate_backend(value: str, source: str) -> str:
+    """`value` if it names a backend; otherwise raise, naming where the value came from."""
+    if value not in BACKENDS:
+        raise BackendUnavailableError(
+            f"unknown flashinfer_mla backend {value!r} (from {source}); choose one of {', '.join(BACKENDS)}"
+        )
+    return value
 
 
-@functools.lru_cache(maxsize=None)
-def _log_choice(backend: str, device: str, dtype: torch.dtype, num_heads: int) -> None:
-    logger.info("flashinfer_mla decode on %s (%s, %d heads): backend %s", device, dtype, num_heads, backend)
+def _resolve(call_value: str | None, load_value: str | None) -> str:
+    """The one precedence rule: this call's keyword, then the load option, then the environment, then auto."""
+    for value, source in (
+        (call_value, "mla_backend= of this call"),
+        (load_value, "mla_backend= given when the model was loaded"),
+        (os.environ.get(ENV_VAR), f"${ENV_VAR}"),
+    ):
+        if value:
+            return validate_backend(value, source)
+    return "auto"
+
+
+def load_backend(config) -> str | None:
+    """The ``mla_backend=`` given to ``from_pretrained``/``from_config`` of the model that owns `config`, if any."""
+    return getattr(config, LOAD_ATTR, None)
 
 
 def requested_backend(call_value: str | None = None, config=None) -> str:
-    """Resolve a forced backend: call-time keyword, then ``config.mla_backend``, then the environment."""
-    value = call_value or getattr(config, "mla_backend", None) or os.environ.get(ENV_VAR) or "auto"
-    if value not in BACKENDS:
-        raise BackendUnavailableError(
-            f"unknown flashinfer_mla backend {value!r} (from mla_backend= or ${ENV_VAR}); choose one of {BACKENDS}"
-        )
-    return value
+    """The backend asked for: `call_value`, then the load option kept on `config`, then ``$HF_FLASHINFER_MLA_BACKEND``."""
+    return _resolve(call_value, load_backend(config))
+
+
+def backend_and_reason(
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_lora_rank: int,
+    rope_dim: int,
+    num_heads: int,
+    requested: str = "auto",
+) -> tuple[str, str | None]:
+    """``(backend, reason)``: the backend this decode call runs on, and why ``auto`` could not use the GPU's own kernel
+    (None when it could, or when a backend was forced). A forced backend that cannot run raises."""
+    validate_backend(requested, "choose_backend(requested=...)")
+    if requested != "auto":
+        reason = unavailable_reason(requested, device, dtype, kv_lora_rank, rope_dim, num_heads)
+        if reason:
+            raise BackendUnavailableError(
+                f"mla_backend={requested!r} was requested but cannot run: {reason}. "
+                f'Unset it (or pass mla_backend="auto") to let flashinfer_mla choose, or "reference" to force PyTorch.'
+            )
+        return requested, None
+    cc = device_capability(device)
+    kernel = None if cc is None else preferred_kernel(cc, num_heads)
+    if kernel is None:
+        if cc is None:
+            return "reference", f"it needs an NVIDIA GPU and the tensors are on {device.type}"
+        return "reference", f"no FlashInfer MLA kernel supports compute capability {cc[0]}.{cc[1]}"
+    reason = unavailable_reason(kernel, device, dtype, kv_lora_rank, rope_dim, num_heads)
+    if reason:
+        return "reference", reason
+    if kernel == "cute-dsl":
+        return kernel, f"trtllm-gen cannot tile {num_heads} query heads per device"
+    return kernel, None
 
 
 def choose_backend(
@@ -122,48 +174,20 @@ def choose_backend(
     num_heads: int,
     requested: str = "auto",
 ) -> str:
-    """The backend that will run this decode call (see the module docstring for the rules)."""
-    if requested not in BACKENDS:
-        raise BackendUnavailableError(f"unknown flashinfer_mla backend {requested!r}; choose one of {BACKENDS}")
-    if requested != "auto":
-        reason = unavailable_reason(requested, device, dtype, kv_lora_rank, rope_dim, num_heads)
-        if reason:
-            raise BackendUnavailableError(
-                f"mla_backend={requested!r} was requested but cannot run: {reason}. "
-                f'Unset it (or pass mla_backend="auto") to let flashinfer_mla choose, or "reference" to force PyTorch.'
-            )
-        chosen = requested
-    else:
-        cc = device_capability(device)
-        candidates = []
-        if cc is not None:
-            first = preferred_kernel(cc, num_heads)
-            candidates = [first] if first else []
-            if first == "fa3":
-                candidates.append("fa2")
-        chosen, reason = "reference", f"the tensors are on {device.type}, not an NVIDIA GPU"
-        for candidate in candidates:
-            reason = unavailable_reason(candidate, device, dtype, kv_lora_rank, rope_dim, num_heads)
-            if reason is None:
-                chosen = candidate
-                break
-        if cc is not None and not candidates:
-            reason = f"no FlashInfer MLA kernel supports compute capability {cc[0]}.{cc[1]}"
-        if chosen == "reference":
-            _warn_once(f"flashinfer_mla: decode runs on the PyTorch reference backend because {reason}.")
-        elif chosen == "cute-dsl":
-            from .trtllm import select_decode_backend
-
-            select_decode_backend(num_heads)  # warns once that trtllm-gen cannot tile this head count
-    _log_choice(chosen, str(device), dtype, num_heads)
-    return chosen
+    """The backend that will run this decode call (see the module docstring); warns once per distinct fallback."""
+    backend, reason = backend_and_reason(device, dtype, kv_lora_rank, rope_dim, num_heads, requested)
+    if reason:
+        name = "the PyTorch reference backend" if backend == "reference" else f"FlashInfer's {backend} backend"
+        logger.warning_once(f"flashinfer_mla: decode runs on {name} because {reason}.")
+    logger.info_once(f"flashinfer_mla decode on {device} ({dtype}, {num_heads} heads): backend {backend}")
+    return backend
 
 
 @torch.compiler.assume_constant_result
 def backend_for_graph(device: str, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, num_heads: int,
                       requested: str | None, config_value: str | None) -> str:
     """`choose_backend` evaluated once while a graph is traced (the choice is a constant of the graph)."""
-    value = requested or config_value or os.environ.get(ENV_VAR) or "auto"
+    value = _resolve(requested, config_value)
     chosen = choose_backend(torch.device(device), dtype, kv_lora_rank, rope_dim, num_heads, value)
     if chosen in ("trtllm-gen", "cute-dsl"):
         if value != "auto":
@@ -171,7 +195,9 @@ def backend_for_graph(device: str, dtype: torch.dtype, kv_lora_rank: int, rope_d
                 f"mla_backend={value!r} is not supported inside torch.compile / CUDA graphs yet; run without "
                 "compiling (generate(..., disable_compile=True)) or let flashinfer_mla choose."
             )
-        _warn_once(f"flashinfer_mla: {chosen} does not run inside torch.compile / CUDA graphs yet; compiled decode "
-                   "steps use the PyTorch reference backend (generate(..., disable_compile=True) keeps the kernel).")
+        logger.warning_once(
+            f"flashinfer_mla: {chosen} does not run inside torch.compile / CUDA graphs yet; compiled decode steps use "
+            "the PyTorch reference backend (generate(..., disable_compile=True) keeps the kernel)."
+        )
         chosen = "reference"
     return chosen

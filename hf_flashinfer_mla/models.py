@@ -36,15 +36,21 @@ DENSE_MLA_MODEL_TYPES = (
 
 # MLA with DeepSeek Sparse Attention (DSA): the attention sees a per-query top-k subset of the cache, chosen by an
 # indexer after `expand_kv`. That is a different kernel problem (FlashMLA sparse); refused rather than run densely.
+# Multimodal ones are listed with their text model types too, so that loading the text model alone is refused for
+# the true reason.
 SPARSE_MLA_MODEL_TYPES = (
     "deepseek_v32",
     "glm_moe_dsa",
     "glm5_next",
+    "glm5_next_text",
     "hy_v4",
     "hy_v4_vl",
+    "hy_v4_vl_text",
     "axk2",
     "mistral_large4",
+    "mistral_large4_text",
     "dots3_note",
+    "dots3_note_text",
 )
 
 
@@ -52,25 +58,36 @@ def _supported_list() -> str:
     return ", ".join(DENSE_MLA_MODEL_TYPES)
 
 
-def check_model_supported(config) -> None:
-    """Raise `UnsupportedModelError` unless `config` describes a dense MLA model.
+def check_model_supported(config):
+    """The config the model's MLA attention is built from, or `UnsupportedModelError` saying why there is none.
 
+    That is `config` itself for a causal LM, and the decoder text config (``config.get_text_config(decoder=True)``)
+    for a multimodal model whose text model is a dense MLA model (Kimi-K2.5: ``kimi_k25`` around ``deepseek_v3``).
     Called at load time (``from_pretrained``/``from_config``/``set_attn_implementation``), so an unsupported model
     fails before any weight is read rather than giving a wrong answer later.
     """
+    text = config.get_text_config(decoder=True)
     model_type = getattr(config, "model_type", None)
-    if model_type in SPARSE_MLA_MODEL_TYPES:
+    text_type = text.get("model_type") if isinstance(text, dict) else getattr(text, "model_type", None)
+    what = f'model_type "{model_type}"' if text is config else f'model_type "{model_type}" (text model "{text_type}")'
+    if model_type in SPARSE_MLA_MODEL_TYPES or text_type in SPARSE_MLA_MODEL_TYPES:
         raise UnsupportedModelError(
-            f'attn_implementation="{ATTN_NAME}" does not support model_type "{model_type}": it uses DeepSeek Sparse '
-            f"Attention (DSA), which attends to an indexer-selected subset of the cache. Load it with "
+            f'attn_implementation="{ATTN_NAME}" does not support {what}: it uses DeepSeek Sparse Attention (DSA), '
+            f"which attends to an indexer-selected subset of the cache. Load it with "
             f'attn_implementation="sdpa" or "eager". Supported (dense MLA) model types: {_supported_list()}.'
         )
-    if model_type not in DENSE_MLA_MODEL_TYPES:
+    if text_type not in DENSE_MLA_MODEL_TYPES:
         raise UnsupportedModelError(
-            f'attn_implementation="{ATTN_NAME}" needs a Multi-head Latent Attention model; model_type '
-            f'"{model_type}" is not one. Load it with attn_implementation="sdpa" (or "eager"). '
-            f"Supported model types: {_supported_list()}."
+            f'attn_implementation="{ATTN_NAME}" needs a Multi-head Latent Attention model; {what} is not one. '
+            f'Load it with attn_implementation="sdpa" (or "eager"). Supported model types: {_supported_list()}.'
         )
+    if isinstance(text, dict):
+        raise UnsupportedModelError(
+            f"the text_config of {what} is a plain dict, not a PreTrainedConfig, so its text model's attention cannot "
+            f"be set apart from the rest of the model; convert it first (config.text_config = "
+            f"AutoConfig.for_model(**config.text_config)) and load again."
+        )
+    return text
 
 
 def is_mla_attention(module: nn.Module) -> bool:
@@ -113,7 +130,8 @@ def install_latent_hook(model_class: type) -> list[type]:
     if not hooked:
         raise UnsupportedModelError(
             f"{model_class.__name__} (module {model_class.__module__}) defines no MLA attention class with "
-            f"`expand_kv`; this Transformers version may predate the latent cache (needs >= 5.15). "
+            f"`expand_kv`: this Transformers version may predate the latent cache (needs >= 5.15), or the model's "
+            f"remote code (trust_remote_code) copies an older attention class. "
             f"Supported model types: {_supported_list()}."
         )
     return hooked

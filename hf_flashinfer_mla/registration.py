@@ -1,4 +1,5 @@
-"""Registration with Transformers: the attention function, its mask function, and the load-time model check.
+"""Registration with Transformers: the attention function, its mask function, the load-time model check, the
+``mla_backend`` options, and ``generate()``'s default cache.
 
 Transformers looks attention implementations up by name in two registries: ``AttentionInterface`` (the function
 each attention module calls) and ``AttentionMaskInterface`` (the function that builds the step's mask). A name
@@ -9,7 +10,13 @@ Transformers has no hook to validate a custom implementation against a model, an
 "flash" as a flash-attention kernel to import from the Hub. So ``PreTrainedModel._check_and_adjust_attn_implementation``
 (which ``from_pretrained``, ``from_config`` and ``set_attn_implementation`` all go through) is wrapped once: for
 ``"flashinfer_mla"`` it refuses non-MLA models, hooks ``expand_kv`` and skips the Hub lookup; any other name goes
-to Transformers' own check untouched. Finally ``generate()``'s default cache gets this package's latent layers.
+to Transformers' own check untouched. ``get_correct_attn_implementation``, which ``set_attn_implementation`` calls
+for sub-models (``{"text_config": "flashinfer_mla"}``), gets the same check.
+
+A forced backend is a runtime setting (``dispatch.py``): ``from_pretrained``/``from_config`` take ``mla_backend=``,
+validate it at the call and keep it on the loaded model's config under a private name that ``to_dict`` (and so
+``save_pretrained``) drops; ``generate()`` validates its ``mla_backend=`` where it validates every other keyword.
+Finally ``generate()``'s default cache gets this package's latent layers.
 """
 
 from __future__ import annotations
@@ -18,13 +25,54 @@ import functools
 
 from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers.generation.utils import GenerationMixin
-from transformers.utils.generic import TransformersKwargs
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.utils import logging
 
 from .attention import flashinfer_mla_attention_forward
 from .cache import adopt_latent_layers
+from .dispatch import LOAD_ATTR, requested_backend, validate_backend
+from .errors import UnsupportedModelError
 from .metadata import flashinfer_mla_mask, install_generate_hooks
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
+
+logger = logging.get_logger("hf_flashinfer_mla")
+
+
+def _text_config_key(config, text_config) -> str:
+    return next((key for key in config.sub_configs if getattr(config, key, None) is text_config), "text_config")
+
+
+def _adopt(model: PreTrainedModel, is_init_check: bool, original) -> str:
+    """The attention implementation `model` gets when ``"flashinfer_mla"`` is asked for, or an error saying why not.
+
+    A causal LM over dense MLA gets it (with its ``expand_kv`` hooked). A multimodal model whose text model is dense
+    MLA gets it on the text model only: at load time the name, which Transformers has spread over every sub-config,
+    is kept on the text config and taken off the others (vision towers and the like get Transformers' default, as
+    does the wrapper model itself); the text model's own check then hooks it. After loading, Transformers would hand
+    the name to every sub-model unchecked, so there the text model must be named explicitly.
+    """
+    text_config = check_model_supported(model.config)
+    requested_backend(None, text_config)  # an unknown $HF_FLASHINFER_MLA_BACKEND fails at load, not at the first step
+    if text_config is model.config:
+        install_latent_hook(type(model))
+        return ATTN_NAME
+    key = _text_config_key(model.config, text_config)
+    if not is_init_check:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is multimodal: {ATTN_NAME} can run its text model ({text_config.model_type}) "
+            f"only. Call model.set_attn_implementation({{{key!r}: {ATTN_NAME!r}}}) to switch the text model alone."
+        )
+    configs = [model.config]
+    while configs:
+        config = configs.pop()
+        for sub in (getattr(config, k, None) for k in config.sub_configs):
+            if isinstance(sub, PreTrainedConfig) and sub is not text_config:
+                if sub._attn_implementation == ATTN_NAME:
+                    sub._attn_implementation_internal = None  # Transformers' default for this sub-model
+                configs.append(sub)
+    text_config._attn_implementation_internal = ATTN_NAME
+    logger.info(f"{type(model).__name__}: {ATTN_NAME} runs the text model ({key}); other parts keep the default.")
+    return original(model, None, is_init_check)
 
 
 def _checked(original):
@@ -32,12 +80,68 @@ def _checked(original):
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
         if attn_implementation != ATTN_NAME:
             return original(self, attn_implementation, is_init_check, **kwargs)
-        check_model_supported(self.config)
-        install_latent_hook(type(self))
-        return ATTN_NAME
+        return _adopt(self, is_init_check, functools.partial(original, **kwargs))
 
     _check_and_adjust_attn_implementation._flashinfer_mla_check = True
     return _check_and_adjust_attn_implementation
+
+
+def _checked_submodel(original):
+    # `set_attn_implementation` sets sub-models (a multimodal model's text model) through this method, not the one
+    # above; without the same check the text model would run flashinfer_mla with its expand_kv not hooked.
+    @functools.wraps(original)
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        if requested_attention != ATTN_NAME:
+            return original(self, requested_attention, is_init_check)
+        return _adopt(self, is_init_check, original)
+
+    get_correct_attn_implementation._flashinfer_mla_check = True
+    return get_correct_attn_implementation
+
+
+def _with_load_option(original):
+    """`from_pretrained` / `_from_config` (which every ``from_config`` reaches) with an ``mla_backend=`` keyword."""
+
+    @functools.wraps(original)
+    def load(cls, *args, mla_backend: str | None = None, **kwargs):
+        if mla_backend is not None:
+            validate_backend(mla_backend, f"{original.__name__.lstrip('_')}(mla_backend=...)")
+        loaded = original(cls, *args, **kwargs)
+        if mla_backend is not None:
+            model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True gives a tuple
+            setattr(model.config.get_text_config(decoder=True), LOAD_ATTR, mla_backend)
+        return loaded
+
+    load._flashinfer_mla_load = True
+    return classmethod(load)
+
+
+def _not_serialized(original):
+    # The load option is a runtime setting of one loaded model: it must not reach config.json (nor the generation
+    # config, nor a config's repr), all of which are built from `to_dict`.
+    @functools.wraps(original)
+    def to_dict(self):
+        output = original(self)
+        output.pop(LOAD_ATTR, None)
+        return output
+
+    to_dict._flashinfer_mla_not_serialized = True
+    return to_dict
+
+
+def _validated_generate_kwargs(original):
+    # generate() checks its model keywords here, before anything runs: the place to refuse an unknown backend, even
+    # when no decode step follows. The keyword itself is forwarded to every attention call by the model's forward.
+    @functools.wraps(original)
+    def _validate_model_kwargs(self, model_kwargs):
+        value = model_kwargs.pop("mla_backend", None)  # generate() hands over a copy
+        text_config = self.config.get_text_config(decoder=True)
+        if value is not None or text_config._attn_implementation == ATTN_NAME:
+            requested_backend(value, text_config)
+        return original(self, model_kwargs)
+
+    _validate_model_kwargs._flashinfer_mla_backend_check = True
+    return _validate_model_kwargs
 
 
 def _latent_cache_by_default(original):
@@ -59,22 +163,21 @@ def _latent_cache_by_default(original):
     return _prepare_cache_for_generation
 
 
+def _patch(owner, name: str, wrap, marker: str, unwrap=lambda f: f) -> None:
+    current = getattr(owner, name)
+    if not getattr(current, marker, False):
+        setattr(owner, name, wrap(unwrap(current)))
+
+
 def register() -> None:
     """Register ``"flashinfer_mla"`` with Transformers. Importing the package does this; calling it again is a no-op."""
     AttentionInterface.register(ATTN_NAME, flashinfer_mla_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, flashinfer_mla_mask)
     install_generate_hooks()  # lets the mask function plan generate()'s decode steps without a device sync
-    current = PreTrainedModel._check_and_adjust_attn_implementation
-    if not getattr(current, "_flashinfer_mla_check", False):
-        PreTrainedModel._check_and_adjust_attn_implementation = _checked(current)
-    # `from_pretrained(..., mla_backend="fa2")` hands a keyword to the config only if the config class has that
-    # attribute; a class-level default of None makes the keyword land on (and be saved with) the config.
-    if not hasattr(PreTrainedConfig, "mla_backend"):
-        PreTrainedConfig.mla_backend = None
-    # `generate(..., mla_backend=...)` forwards the keyword to every attention call, but generate() first rejects
-    # keywords that are neither in forward's signature nor declared model-agnostic attention kwargs: declare it.
-    if "mla_backend" not in TransformersKwargs.__optional_keys__:
-        TransformersKwargs.__optional_keys__ = frozenset(TransformersKwargs.__optional_keys__ | {"mla_backend"})
-    prepare = GenerationMixin._prepare_cache_for_generation
-    if not getattr(prepare, "_flashinfer_mla_cache", False):
-        GenerationMixin._prepare_cache_for_generation = _latent_cache_by_default(prepare)
+    _patch(PreTrainedModel, "_check_and_adjust_attn_implementation", _checked, "_flashinfer_mla_check")
+    _patch(PreTrainedModel, "get_correct_attn_implementation", _checked_submodel, "_flashinfer_mla_check")
+    for name in ("from_pretrained", "_from_config"):
+        _patch(PreTrainedModel, name, _with_load_option, "_flashinfer_mla_load", unwrap=lambda m: m.__func__)
+    _patch(PreTrainedConfig, "to_dict", _not_serialized, "_flashinfer_mla_not_serialized")
+    _patch(GenerationMixin, "_validate_model_kwargs", _validated_generate_kwargs, "_flashinfer_mla_backend_check")
+    _patch(GenerationMixin, "_prepare_cache_for_generation", _latent_cache_by_default, "_flashinfer_mla_cache")

@@ -1,8 +1,9 @@
 """Blackwell (SM100/SM103) decode: FlashInfer's trtllm-gen MLA kernel, with cute-dsl for head counts it cannot tile.
 
-Follows vLLM's FlashInfer MLA backend (the "seed"): a module-level, zero-once counter buffer is handed to every
-launch as ``multi_ctas_kv_counter_buffer`` (``buffers.py``; one per device, unlike the seed), and the head-count
-rule below routes untileable counts to ``backend="cute-dsl"`` with one warning.
+Follows vLLM's FlashInfer MLA backend (the "seed"): on the trtllm-gen branch a zero-once counter buffer is handed to
+every launch as ``multi_ctas_kv_counter_buffer`` (``buffers.py``; one per device, unlike the seed). Head counts
+trtllm-gen cannot tile (`trtllm_gen_supports_num_heads`) go to ``backend="cute-dsl"``, which takes no counter buffer:
+FlashInfer raises when one is given with it.
 
 trtllm-gen reads a *packed* paged cache ``[pages, page_size, kv_lora_rank + rope]``. `MLALatentCache`
 (``cache.py``) stores the latent that way, and ``generate()`` uses it by default under ``flashinfer_mla``.
@@ -13,17 +14,20 @@ not page-aligned) the step runs on the reference backend after one warning, neve
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
+from transformers.utils import logging
 
 from .buffers import multi_ctas_kv_counter_buffer, workspace_buffer
 from .metadata import StepPlan
+from .reference import mla_attention_reference
 
-logger = logging.getLogger("hf_flashinfer_mla")
+logger = logging.get_logger("hf_flashinfer_mla")
 
 PAGE_SIZE = 64  # trtllm-gen takes 32 or 64 tokens per page
+# The counter buffer is sized for at least this many query tokens (batch x tokens per sequence), then in powers of
+# two: at 128 heads that is 512 KiB, so ordinary batches never re-size it and a larger one re-sizes it once per
+# doubling.
+COUNTER_MIN_TOKENS = 1024
 
 
 def trtllm_gen_supports_num_heads(num_heads: int) -> bool:
@@ -33,29 +37,6 @@ def trtllm_gen_supports_num_heads(num_heads: int) -> bool:
         return False
     tile = 8 if num_heads <= 8 else 16 if num_heads <= 32 else 64
     return num_heads % min(num_heads, tile) == 0
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_cute_dsl(num_heads: int) -> None:
-    logger.warning(
-        "flashinfer_mla: trtllm-gen cannot tile %d query heads per device; decoding with FlashInfer's cute-dsl "
-        "backend instead.",
-        num_heads,
-    )
-
-
-def select_decode_backend(num_heads: int) -> str | None:
-    """``"cute-dsl"`` for head counts trtllm-gen cannot tile (warned once per count), else None (FlashInfer's
-    ``"auto"``). Tensor parallelism changes the per-device head count, so call it with the local count."""
-    if trtllm_gen_supports_num_heads(num_heads):
-        return None
-    _warn_cute_dsl(num_heads)
-    return "cute-dsl"
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_fallback(reason: str) -> None:
-    logger.warning("flashinfer_mla: this decode step runs on the reference backend because %s.", reason)
 
 
 def packed_pages(kv_latent: torch.Tensor, k_rot: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor | None:
@@ -97,12 +78,23 @@ def _block_tables(plan: StepPlan, device: torch.device, pitch_pages: int, page_s
     return tables, lens.to(torch.int32), max_len
 
 
+def counter_buffer(query_tokens: int, num_heads: int, device: torch.device) -> torch.Tensor:
+    """The trtllm-gen counter buffer of `device`, big enough for `query_tokens` x `num_heads`.
+
+    Sized for a worst case, not for this call: the token count is rounded up to a power of two, at least
+    `COUNTER_MIN_TOKENS`, and the per-device buffer only ever grows. So a decode loop whose batch shrinks or
+    fluctuates reuses one buffer, and the kernel, which resets every counter it used, never needs it re-zeroed.
+    """
+    from flashinfer.utils import get_device_sm_count, get_trtllm_gen_multi_ctas_kv_counter_bytes  # heavy: see dispatch
+
+    bucket = max(COUNTER_MIN_TOKENS, 1 << max(query_tokens - 1, 0).bit_length())
+    need = get_trtllm_gen_multi_ctas_kv_counter_bytes(bucket, num_heads, get_device_sm_count(device))
+    return multi_ctas_kv_counter_buffer(need, device)
+
+
 def trtllm_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale):
     """``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output on trtllm-gen (or cute-dsl)."""
-    from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla
-    from flashinfer.utils import get_device_sm_count, get_trtllm_gen_multi_ctas_kv_counter_bytes
-
-    from .reference import mla_attention_reference
+    from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla  # heavy: see dispatch._flashinfer_import_error
 
     device = q_lat.device
     pages = packed_pages(kv_latent, k_rot)
@@ -114,14 +106,16 @@ def trtllm_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale):
     else:
         reason = "the cache does not store the latent packed (pass cache=MLALatentCache(model.config))"
     if reason:
-        _warn_fallback(reason)
+        logger.warning_once(f"flashinfer_mla: this decode step runs on the reference backend because {reason}.")
         return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, plan.mask_on(device), scale)
     tables, seq_lens, max_len = meta
     b, h, sq, rank = q_lat.shape
     query = torch.cat([q_lat, q_pe], dim=-1).transpose(1, 2).contiguous()  # [B, Sq, H, L + R]
-    counter = multi_ctas_kv_counter_buffer(
-        get_trtllm_gen_multi_ctas_kv_counter_bytes(b * sq, h, get_device_sm_count(device)), device
-    )
+    if backend == "cute-dsl":
+        kernel = {"backend": "cute-dsl"}  # takes no counter buffer (FlashInfer raises if given one)
+    else:
+        # "auto" lets FlashInfer tune between its runners; the counter is what the trtllm-gen runner counts in.
+        kernel = {"backend": "auto", "multi_ctas_kv_counter_buffer": counter_buffer(b * sq, h, device)}
     out = trtllm_batch_decode_with_kv_cache_mla(
         query=query,
         kv_cache=pages,
@@ -134,7 +128,6 @@ def trtllm_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale):
         max_seq_len=max_len,
         bmm1_scale=scale,
         bmm2_scale=1.0,
-        backend="cute-dsl" if backend == "cute-dsl" else "auto",
-        multi_ctas_kv_counter_buffer=counter,
+        **kernel,
     )  # [B, Sq, H, L]
     return out.transpose(1, 2)

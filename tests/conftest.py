@@ -1,10 +1,13 @@
-"""Small random MLA models built from configs (no download), and the eager oracle helpers."""
+"""Small random MLA models of every supported family (no download), the decode loop, and the eager oracle helpers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
+from transformers import DynamicCache
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.utils import logging
 
 import hf_flashinfer_mla  # noqa: F401  (registers "flashinfer_mla")
 
@@ -22,50 +25,106 @@ COMMON = dict(
     bos_token_id=None,
 )
 _COMMON = dict(**COMMON, num_hidden_layers=2)
+_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
 _MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
             topk_group=1)
+# Kimi-Linear and Bailing-hybrid name their MoE fields differently (num_experts, num_experts_per_token, ...).
+_HYBRID_MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_token=2, num_shared_experts=1, n_group=1,
+                   topk_group=1)
 
-# model_type -> (config class, kwargs). The attention dims are small but keep each family's structure: V2 without
-# q_lora; V3 with q_lora, interleaved rope and YaRN scaling (which changes the softmax scale); GLM-4.7-Flash
-# (glm4_moe_lite) with v_head_dim != qk_nope_head_dim; MiniCPM3 with its own latent/rope widths.
-CONFIGS = {
+# The one registry of the dense MLA families: model_type -> (causal-LM class, config kwargs). The class is named
+# because Transformers 5.24 does not map mistral4 in AutoModelForCausalLM. The attention dims are small but each
+# config keeps its family's structure:
+# * deepseek_v2: no q_lora, MoE after a dense first layer.
+# * deepseek_v3: q_lora, interleaved rope and YaRN scaling (which changes the softmax scale).
+# * glm4_moe_lite (GLM-4.7-Flash): v_head_dim != qk_nope_head_dim.
+# * minicpm3: its own latent/rope widths (24 + 4; the real model has 256 + 32, not the kernels' 512 + 64).
+# * mistral4: q_lora, interleaved rope, YaRN (mscale changes the softmax scale) and Llama-4 position-dependent query
+#   scaling (original_max_position_embeddings=8, so it changes within these 15-token sequences); dense first layer.
+# * longcat_flash: every decoder layer holds two MLA sublayers (num_hidden_layers = 2 * num_layers), LoRA scaling of
+#   q and the kv latent, zero (identity) experts; `head_dim` is the rope width of its rotary embedding.
+# * youtu: dense MLP, q_lora, interleaved rope.
+# * kimi_linear: no q_lora and no rope on the MLA layers (NoPE); layer types given explicitly, since its default
+#   rule ("full_attention" at i % 4 == 0, i > 0) has no MLA layer below 5 layers.
+# * axk1: DeepSeek-V3-like, q_lora, first layer dense (its default first_k_dense_replace=1).
+# * bailing_hybrid: no q_lora, output gate after attention; layer_group_size=2 makes its own rule (last layer of each
+#   group is MLA) give [KDA, MLA, KDA, MLA].
+FAMILIES = {
     "deepseek_v2": (
-        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
         dict(**_COMMON, **_MOE, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
              qk_nope_head_dim=16, v_head_dim=16),
     ),
     "deepseek_v3": (
-        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
         dict(**_COMMON, **_MOE, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
              qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True,
              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
     ),
     "glm4_moe_lite": (
-        "Glm4MoeLiteConfig",
-        dict(**_COMMON, **{k: v for k, v in _MOE.items()}, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
-             qk_nope_head_dim=24, v_head_dim=16),
+        "Glm4MoeLiteForCausalLM",
+        dict(**_COMMON, **_MOE, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=24,
+             v_head_dim=16),
     ),
     "minicpm3": (
-        "MiniCPM3Config",
+        "MiniCPM3ForCausalLM",
         dict(**_COMMON, kv_lora_rank=24, q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=12),
     ),
+    "mistral4": (
+        "Mistral4ForCausalLM",
+        dict(**{**COMMON, "max_position_embeddings": 32}, **_MLA, **_MOE, num_hidden_layers=2, q_lora_rank=24,
+             first_k_dense_replace=1,
+             rope_parameters={"type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 8, "max_position_embeddings": 32, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}),
+    ),
+    "longcat_flash": (
+        "LongcatFlashForCausalLM",
+        dict(**{k: v for k, v in COMMON.items() if k != "intermediate_size"}, **_MLA, num_layers=2, head_dim=8,
+             q_lora_rank=24, ffn_hidden_size=96, expert_ffn_hidden_size=32, n_routed_experts=4, moe_topk=2,
+             zero_expert_num=2),
+    ),
+    "youtu": (
+        "YoutuForCausalLM",
+        dict(**COMMON, **_MLA, num_hidden_layers=2, q_lora_rank=24),
+    ),
+    "kimi_linear": (
+        "KimiLinearForCausalLM",
+        dict(**COMMON, **_MLA, **_HYBRID_MOE, num_hidden_layers=4, q_lora_rank=None,
+             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+             linear_head_dim=16, linear_num_heads=4),
+    ),
+    "axk1": (
+        "AXK1ForCausalLM",
+        dict(**COMMON, **_MLA, **_MOE, num_hidden_layers=2, q_lora_rank=24),
+    ),
+    "bailing_hybrid": (
+        "BailingHybridForCausalLM",
+        dict(**COMMON, **_MLA, **_HYBRID_MOE, num_hidden_layers=4, q_lora_rank=None, layer_group_size=2,
+             first_k_dense_replace=1, head_dim=16),
+    ),
 }
+HYBRIDS = ("kimi_linear", "bailing_hybrid")  # MLA layers interleaved with KDA linear-attention layers
 
 
 def make_config(model_type: str, **overrides):
-    cls_name, kwargs = CONFIGS[model_type]
-    config = getattr(transformers, cls_name)(**{**kwargs, **overrides})
-    return config
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no model_type {model_type!r}")
+    return CONFIG_MAPPING[model_type](**{**FAMILIES[model_type][1], **overrides})
 
 
 def make_model(model_type: str, attn: str = "flashinfer_mla", dtype=torch.float64, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
     config = make_config(model_type, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[model_type][0])._from_config(
         config, attn_implementation=attn, experts_implementation="eager", dtype=dtype
     )
     return model.eval()
+
+
+def mla_layers(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "kv_b_proj")]
 
 
 def left_padded_batch(seed: int = 1, lengths=(7, 4, 9)):
@@ -79,6 +138,42 @@ def left_padded_batch(seed: int = 1, lengths=(7, 4, 9)):
         ids[i, width - len(p):] = p
         mask[i, width - len(p):] = 1
     return ids, mask, prompts
+
+
+def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=None, **kwargs) -> torch.Tensor:
+    """Prefill `ids` (padded as `mask` says, on either side), then decode; returns the decode logits ``[B, T, V]``.
+
+    Decoding feeds `forced` ``[B, T]`` (teacher forcing), ``chunks[i]`` tokens per forward (one by default), or,
+    without `forced`, the argmax token `steps` times. Positions count the attended tokens, so a right-padded prompt
+    continues after its last real token. `cache` defaults to a fresh `DynamicCache`; `kwargs` go to every forward
+    (e.g. ``mla_backend=``).
+    """
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache,
+                use_cache=True, **kwargs)
+    sizes = list(chunks) if chunks else [1] * (forced.shape[1] if forced is not None else steps)
+    logits, done = [], 0
+    for n in sizes:
+        tokens = forced[:, done : done + n] if forced is not None else out.logits[:, -1:].argmax(-1)
+        pos = mask.sum(-1, keepdim=True) + torch.arange(n)
+        mask = torch.cat([mask, torch.ones_like(tokens)], dim=-1)
+        out = model(input_ids=tokens, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, **kwargs)
+        logits.append(out.logits)
+        done += n
+    return torch.cat(logits, dim=1)
+
+
+def eager_alone(model, prompts, forced, chunks=None) -> list[torch.Tensor]:
+    """The oracle for `decode_logits`: each prompt decoded on its own, unpadded, with eager attention."""
+    model.set_attn_implementation("eager")
+    try:
+        return [
+            decode_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced=forced[i : i + 1],
+                          chunks=chunks)[0]
+            for i, p in enumerate(prompts)
+        ]
+    finally:
+        model.set_attn_implementation("flashinfer_mla")
 
 
 def generate_alone_with_eager(model, prompts, new_tokens: int):
@@ -104,24 +199,23 @@ def assert_batch_matches_eager_alone(model, out, prompts, new_tokens: int, tol: 
         assert rel_err(ours, logits[i]) < tol
 
 
-def teacher_forced_logits(model, ids, mask, forced, cache):
-    """Prefill `ids`, then feed `forced` [B, T] one token per step; returns logits [B, T, V] of the decode steps."""
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-    steps = []
-    for t in range(forced.shape[1]):
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-        pos = pos[:, -1:] + 1
-        out = model(input_ids=forced[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=out.cache,
-                    use_cache=True)
-        steps.append(out.logits[:, -1])
-    return torch.stack(steps, dim=1)
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.fixture(params=list(CONFIGS))
+def package_warnings(caplog) -> list[str]:
+    """Messages of the warnings this package logged."""
+    return [r.getMessage() for r in caplog.records if r.name == "hf_flashinfer_mla" and r.levelno >= 30]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_once():
+    """Each test sees every warn-once/info-once message afresh (they are cached per process by Transformers)."""
+    logging.warning_once.cache_clear()
+    logging.info_once.cache_clear()
+    yield
+
+
+@pytest.fixture(params=list(FAMILIES))
 def model_type(request):
     return request.param

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hf_flashinfer_mla
-from hf_flashinfer_mla import BackendUnavailableError, dispatch, trtllm
-from hf_flashinfer_mla.dispatch import ENV_VAR, choose_backend, requested_backend
+from hf_flashinfer_mla import BackendUnavailableError, dispatch
+from hf_flashinfer_mla.dispatch import ENV_VAR, LOAD_ATTR, backend_and_reason, choose_backend, requested_backend
 
 GPU = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -22,15 +22,8 @@ assert dispatch._flashinfer_import_error() is None
 
 
 @pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    dispatch._warn_once.cache_clear()
-    dispatch._log_choice.cache_clear()
-    trtllm._warn_cute_dsl.cache_clear()
+def _no_env(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    yield
-    dispatch._warn_once.cache_clear()
-    dispatch._log_choice.cache_clear()
-    trtllm._warn_cute_dsl.cache_clear()
 
 
 @pytest.fixture
@@ -99,6 +92,16 @@ def test_auto_picks_kernel_for_gpu(capability, no_cuda, caplog, cc, heads, expec
         assert len(msgs) == 1 and f"{heads} query heads" in msgs[0]
     else:
         assert msgs == []
+
+
+def test_auto_cute_dsl_warns_once_per_head_count(capability, no_cuda, caplog):
+    capability((10, 0))
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    for heads in (96, 96, 24, 24, 96, 16, 48, 64, 128):
+        choose_backend(GPU, BF16, RANK, ROPE, heads)
+    msgs = [r.getMessage() for r in warnings_of(caplog)]
+    assert len(msgs) == 2 and "96 query heads" in msgs[0] and "24 query heads" in msgs[1]
+    assert all("cute-dsl" in m for m in msgs)
 
 
 def test_auto_explicit_requested_auto_equals_default(capability, no_cuda):
@@ -174,6 +177,45 @@ def test_fallback_warning_per_distinct_reason(capability, no_cuda, caplog):
     msgs = [r.getMessage() for r in warnings_of(caplog)]
     assert len(msgs) == 2
     assert "float32" in msgs[0] and "256 + 32" in msgs[1]
+
+
+@pytest.mark.parametrize(
+    "device, cc, dtype, rank, rope, heads, expected",
+    [
+        (GPU, (9, 0), BF16, RANK, ROPE, 128, ("fa3", None)),
+        (GPU, (10, 0), BF16, RANK, ROPE, 16, ("trtllm-gen", None)),
+        (GPU, (10, 0), BF16, RANK, ROPE, 96, ("cute-dsl", "trtllm-gen cannot tile 96 query heads per device")),
+        (CPU, None, BF16, RANK, ROPE, 16, ("reference", "it needs an NVIDIA GPU and the tensors are on cpu")),
+        (GPU, (7, 5), BF16, RANK, ROPE, 16, ("reference", "no FlashInfer MLA kernel supports compute capability 7.5")),
+        # fa3 refuses a float32 model, and so would fa2: Hopper has no second kernel to try.
+        (GPU, (9, 0), torch.float32, RANK, ROPE, 16,
+         ("reference", "its kernels take bfloat16 or float16 and the model runs in torch.float32")),
+        (GPU, (8, 0), BF16, 256, 32, 40,
+         ("reference", "its kernels are built for kv_lora_rank 512 + rope 64, this model has 256 + 32")),
+    ],
+)
+def test_backend_and_reason(capability, no_cuda, caplog, device, cc, dtype, rank, rope, heads, expected):
+    capability(cc)
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    assert backend_and_reason(device, dtype, rank, rope, heads) == expected
+    assert warnings_of(caplog) == []  # it only answers; choose_backend is the one that warns
+    assert backend_and_reason(device, dtype, rank, rope, heads, requested="reference") == ("reference", None)
+
+
+def test_hopper_fallback_is_the_reference_not_fa2(capability, no_cuda, monkeypatch):
+    """fa3 and fa2 fail for the same reasons; when fa3 cannot run, auto does not try fa2 (it would fail alike)."""
+    capability((9, 0))
+    asked = []
+    real = dispatch.unavailable_reason
+
+    def recording(backend, *args):
+        asked.append(backend)
+        return real(backend, *args)
+
+    monkeypatch.setattr(dispatch, "unavailable_reason", recording)
+    monkeypatch.setattr(dispatch, "_flashinfer_import_error", lambda: "flashinfer cannot be imported (test)")
+    assert backend_and_reason(GPU, BF16, RANK, ROPE, 128) == ("reference", "flashinfer cannot be imported (test)")
+    assert asked == ["fa3"]
 
 
 # ---------------------------------------------------------------------------------------------------- forced
@@ -282,9 +324,11 @@ def test_backend_list():
 
 
 class _Config:
+    """A config carrying a load option, as from_pretrained/from_config leave it."""
+
     def __init__(self, mla_backend=None):
         if mla_backend is not None:
-            self.mla_backend = mla_backend
+            setattr(self, LOAD_ATTR, mla_backend)
 
 
 def test_requested_default_is_auto():
@@ -317,9 +361,16 @@ def test_requested_call_beats_config_without_env():
 
 def test_requested_config_none_attribute_falls_through(monkeypatch):
     cfg = _Config()
-    cfg.mla_backend = None
+    setattr(cfg, LOAD_ATTR, None)
     monkeypatch.setenv(ENV_VAR, "reference")
     assert requested_backend(None, cfg) == "reference"
+
+
+def test_requested_ignores_a_public_config_attribute(monkeypatch):
+    """A checkpoint's config.json may say "mla_backend" (older versions of this package wrote it): not a setting."""
+    cfg = _Config()
+    cfg.mla_backend = "fa3"
+    assert requested_backend(None, cfg) == "auto"
 
 
 def test_requested_explicit_auto_from_call(monkeypatch):
@@ -327,8 +378,10 @@ def test_requested_explicit_auto_from_call(monkeypatch):
     assert requested_backend("auto", _Config("fa3")) == "auto"
 
 
-@pytest.mark.parametrize("source", ["call", "config", "env"])
-def test_requested_unknown_raises(monkeypatch, source):
+@pytest.mark.parametrize(
+    "source, named", [("call", "of this call"), ("config", "when the model was loaded"), ("env", ENV_VAR)]
+)
+def test_requested_unknown_raises_naming_its_source(monkeypatch, source, named):
     if source == "env":
         monkeypatch.setenv(ENV_VAR, "fa4")
         args = (None, None)
@@ -336,8 +389,9 @@ def test_requested_unknown_raises(monkeypatch, source):
         args = (None, _Config("fa4"))
     else:
         args = ("fa4", None)
-    with pytest.raises(BackendUnavailableError, match="'fa4'"):
+    with pytest.raises(BackendUnavailableError, match="'fa4'") as info:
         requested_backend(*args)
+    assert named in str(info.value)
 
 
 def test_requested_then_choose_env_forced_unavailable(capability, no_cuda, monkeypatch):
@@ -351,12 +405,37 @@ def test_requested_then_choose_env_forced_unavailable(capability, no_cuda, monke
 
 
 def test_environment_report_prints_the_backend_table(capsys):
-    from hf_flashinfer_mla.__main__ import main
+    from hf_flashinfer_mla.__main__ import HEADS, main
 
     main(["--device", "cpu", "--kv-lora-rank", "256", "--rope-dim", "32"])
     out = capsys.readouterr().out
     assert "transformers" in out and "flashinfer-python" in out
     assert "kv_lora_rank 256 + rope 32" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("bfloat16", "float16", "float32"))]
-    assert len(rows) == 3 and all(set(r[1:]) == {"reference"} for r in rows)
-    assert "reference because it needs an NVIDIA GPU" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("dtype"))
+    assert lines[header].split()[1:] == [w for h in HEADS for w in (str(h), "heads")]  # columns are head counts
+    rows = [line.split() for line in lines[header + 1 : header + 4]]
+    assert [r[0] for r in rows] == ["bfloat16", "float16", "float32"]
+    assert all(r[1:] == ["reference"] * len(HEADS) for r in rows)
+    # The reason is printed once, after the table, not inside it.
+    notes = lines[header + 4 :]
+    assert sum("reference because it needs an NVIDIA GPU" in line for line in notes) == 1
+
+
+def test_environment_report_on_blackwell_explains_cute_dsl_below_the_table(capability, no_cuda, capsys, caplog,
+                                                                           monkeypatch):
+    from hf_flashinfer_mla.__main__ import HEADS, main
+
+    capability((10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "B200 (substituted)")
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    main(["--device", "cuda"])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("dtype"))
+    table = {line.split()[0]: line.split()[1:] for line in lines[header + 1 : header + 4]}
+    expected = ["cute-dsl" if h in (20, 24, 96) else "trtllm-gen" for h in HEADS]
+    assert table == {"bfloat16": expected, "float16": expected, "float32": ["reference"] * len(HEADS)}
+    notes = lines[header + 4 :]
+    assert "cute-dsl because trtllm-gen cannot tile 96 query heads per device (bfloat16, float16: 96 heads)" in notes
+    assert any(n.startswith("reference because its kernels take bfloat16 or float16") for n in notes)
+    assert warnings_of(caplog) == []  # nothing logged in the middle of the table

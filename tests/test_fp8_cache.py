@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import left_padded_batch, make_model, rel_err, teacher_forced_logits
+from conftest import decode_logits, left_padded_batch, make_model, rel_err
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -45,11 +45,11 @@ def test_teacher_forced_matches_eager_on_the_same_quantized_latent(model_type):
     forced = torch.randint(1, 90, (3, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         cache = MLALatentCache(config=model.config, dtype=FP8, scales=SCALES)
-        ours = teacher_forced_logits(model, ids, mask, forced, cache)
+        ours = decode_logits(model, ids, mask, cache=cache, forced=forced)
         assert cache.layers[0].keys.dtype == FP8 and latent_scales(cache.layers[0].keys) == SCALES
-        bf = teacher_forced_logits(model, ids, mask, forced, MLALatentCache(config=model.config))
+        bf = decode_logits(model, ids, mask, cache=MLALatentCache(config=model.config), forced=forced)
         model.set_attn_implementation("eager")
-        oracle = teacher_forced_logits(model, ids, mask, forced, fake_quant_cache(model.config))
+        oracle = decode_logits(model, ids, mask, cache=fake_quant_cache(model.config), forced=forced)
     assert rel_err(ours, oracle) < 1e-6  # float64 model, float32 RMSNorm inside
     assert rel_err(bf, oracle) > 1e-4  # the quantization is really there (a no-op FP8 path would pass above)
 

@@ -2,33 +2,32 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, left_padded_batch, make_model, rel_err
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from conftest import VOCAB, decode_logits, left_padded_batch, make_config, make_model, rel_err
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla import absorption, attention
+from hf_flashinfer_mla.dispatch import ENV_VAR, requested_backend
 from hf_flashinfer_mla.errors import BackendUnavailableError, CacheLayoutError, UnsupportedModelError
-
-
-def _logits(model, ids, mask):
-    return model(input_ids=ids, attention_mask=mask).logits
 
 
 def _decode_logits(model, steps=3, **kwargs):
     # Unpadded: eager in float64 turns the fully masked rows of a left-padded prefill into NaN (see shared NOTES).
     ids, mask, _ = left_padded_batch(lengths=(5, 5))
-    out = model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config), use_cache=True)
-    logits = []
-    for _ in range(steps):
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
-        out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, cache=out.cache, use_cache=True,
-                    **kwargs)
-        logits.append(out.logits)
-    return torch.cat(logits, 1)
+    return decode_logits(model, ids, mask, steps=steps, **kwargs)
+
+
+def _load(path_or_config, **kwargs):
+    kwargs = dict(attn_implementation="flashinfer_mla", dtype=torch.float64, experts_implementation="eager", **kwargs)
+    if isinstance(path_or_config, transformers.PreTrainedConfig):
+        return transformers.AutoModelForCausalLM.from_config(path_or_config, **kwargs)
+    return transformers.AutoModelForCausalLM.from_pretrained(path_or_config, **kwargs)
 
 
 def test_import_registers_attention_and_mask_functions():
@@ -65,16 +64,80 @@ def test_switching_back_and_forth_gives_each_implementations_own_result():
 
 def test_from_pretrained_and_backend_keyword(tmp_path):
     make_model("deepseek_v3").save_pretrained(tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="flashinfer_mla", mla_backend="reference", dtype=torch.float64,
-        experts_implementation="eager",
-    )
+    model = _load(tmp_path, mla_backend="reference")
     assert model.config._attn_implementation == "flashinfer_mla"
-    assert model.config.mla_backend == "reference"
+    assert requested_backend(None, model.config) == "reference"
     eager = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager", dtype=torch.float64, experts_implementation="eager"
     )
     assert rel_err(_decode_logits(model), _decode_logits(eager)) < 1e-6
+
+
+@pytest.mark.parametrize("load", ["from_pretrained", "from_config"])
+def test_load_option_is_a_runtime_setting_not_saved(tmp_path, monkeypatch, load):
+    source = tmp_path / "source"
+    make_model("deepseek_v3").save_pretrained(source)
+    model = _load(source if load == "from_pretrained" else make_config("deepseek_v3"), mla_backend="fa3")
+    # Forced at load: the decode fails on this CPU machine, naming the backend ...
+    with pytest.raises(BackendUnavailableError, match="'fa3'.*NVIDIA GPU"):
+        _decode_logits(model, steps=1)
+    # ... a call-time keyword beats it, and it beats the environment.
+    reference = _decode_logits(model, mla_backend="reference")
+    monkeypatch.setenv(ENV_VAR, "reference")
+    with pytest.raises(BackendUnavailableError, match="'fa3'"):
+        _decode_logits(model, steps=1)
+    # It is not part of the checkpoint: neither config.json nor generation_config.json name it, and the reloaded
+    # model decodes on this machine with the environment's choice.
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    for name in ("config.json", "generation_config.json"):
+        assert "mla_backend" not in (saved / name).read_text(), name
+    assert "mla_backend" not in repr(model.config)
+    reloaded = _load(saved)
+    assert requested_backend(None, reloaded.config) == "reference"
+    assert torch.equal(_decode_logits(reloaded), reference)
+
+
+def test_checkpoint_saved_with_a_backend_does_not_force_it(tmp_path, monkeypatch):
+    # A config.json that names a backend (as this package wrote before it kept the option off the config): ignored.
+    make_model("deepseek_v3").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mla_backend": "fa3"}))
+    model = _load(tmp_path)
+    assert requested_backend(None, model.config) == "auto"
+    monkeypatch.setenv(ENV_VAR, "reference")
+    assert requested_backend(None, model.config) == "reference"
+    _decode_logits(model, steps=2)
+
+
+def test_unknown_backend_fails_at_the_call_that_passes_it(tmp_path, monkeypatch):
+    make_model("deepseek_v3").save_pretrained(tmp_path)
+    model = _load(tmp_path)
+    ids = torch.randint(1, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))
+    model.generate(input_ids=ids, max_new_tokens=1)  # control: the calls below fail for the bad value only
+    # generate() with one new token runs the prefill only: no decode step would ever look at the backend.
+    for call, source in [
+        (lambda: _load(tmp_path, mla_backend="fa4"), "from_pretrained"),
+        (lambda: _load(make_config("deepseek_v3"), mla_backend="fa4"), "from_config"),
+        (lambda: model.generate(input_ids=ids, max_new_tokens=1, mla_backend="fa4"), "mla_backend= of this call"),
+    ]:
+        with pytest.raises(BackendUnavailableError, match=rf"unknown flashinfer_mla backend 'fa4' \(from {source}"):
+            call()
+    monkeypatch.setenv(ENV_VAR, "fa4")
+    for call in (lambda: _load(tmp_path), lambda: model.generate(input_ids=ids, max_new_tokens=1)):
+        with pytest.raises(BackendUnavailableError, match=r"'fa4' \(from \$HF_FLASHINFER_MLA_BACKEND\)"):
+            call()
+
+
+def test_generate_keyword_reaches_every_layer_and_beats_the_load_option():
+    model = _load(make_config("deepseek_v3"), mla_backend="fa2")
+    ids, mask, _ = left_padded_batch(lengths=(4,))
+    with pytest.raises(BackendUnavailableError, match="'fa2'"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
+    forced = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                            mla_backend="reference")
+    model.set_attn_implementation("eager")
+    assert torch.equal(forced, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False))
 
 
 def test_unsupported_models_are_refused_at_load_time():

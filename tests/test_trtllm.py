@@ -1,105 +1,56 @@
-"""Blackwell decode helpers that run without a GPU: the head-count rule, the counter buffer, the packed-page view
-and the block tables (`hf_flashinfer_mla.trtllm`, `hf_flashinfer_mla.buffers`)."""
+"""Blackwell decode that runs without a GPU: the head-count rule, the counter buffer, the packed-page view, the block
+tables (`hf_flashinfer_mla.trtllm`, `hf_flashinfer_mla.buffers`), and the call into FlashInfer, checked by a
+stand-in for ``trtllm_batch_decode_with_kv_cache_mla`` that applies FlashInfer's own argument checks."""
 
 from __future__ import annotations
 
-import logging
-
+import flashinfer.mla
+import flashinfer.utils
 import pytest
 import torch
-from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes
+from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import _trtllm_gen_mla_incompatibility_reason
+from flashinfer.utils import _resolve_trtllm_gen_multi_ctas_kv_counter_buffer, get_trtllm_gen_multi_ctas_kv_counter_bytes
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla import MLALatentLayer, buffers, trtllm
 from hf_flashinfer_mla.metadata import StepPlan
-from hf_flashinfer_mla.trtllm import (
-    _block_tables,
-    multi_ctas_kv_counter_buffer,
-    packed_pages,
-    select_decode_backend,
-    trtllm_gen_supports_num_heads,
-)
+from hf_flashinfer_mla.reference import mla_attention_reference
+from hf_flashinfer_mla.trtllm import _block_tables, multi_ctas_kv_counter_buffer, packed_pages, trtllm_gen_supports_num_heads
 
 RANK, ROPE, ROW, PAGE = 512, 64, 576, 64
 CPU = torch.device("cpu")
 META = torch.device("meta")
 
 
-def expected_supported(h: int) -> bool:
-    """Independent statement of trtllm-gen's tiling rule."""
-    if h <= 8:
-        tile = 8
-    elif h <= 32:
-        tile = 16
-    else:
-        tile = 64
-    return h % min(h, tile) == 0
-
-
 # ---------------------------------------------------------------------------------------------------- head counts
 
 
-@pytest.mark.parametrize("h", range(1, 257))
-def test_supports_num_heads_every_count(h):
-    assert trtllm_gen_supports_num_heads(h) is expected_supported(h)
+# Written out by hand (not computed from the rule): from vLLM's FlashInfer MLA backend and the shared notes.
+TILEABLE = [1, 2, 4, 7, 8, 9, 12, 15, 16, 32, 33, 40, 48, 63, 64, 128, 192, 256]
+NOT_TILEABLE = [0, 17, 20, 24, 31, 65, 80, 96, 100, 127, 129, 160, 255]
 
 
-def test_supports_num_heads_spot_checks():
-    for h in (16, 48, 64, 128):
-        assert trtllm_gen_supports_num_heads(h), h
-    for h in (24, 96):
-        assert not trtllm_gen_supports_num_heads(h), h
-    # Up to 8 heads every count fits one tile; a few more cases of the rule.
-    assert all(trtllm_gen_supports_num_heads(h) for h in range(1, 9))
-    assert [h for h in range(9, 33) if trtllm_gen_supports_num_heads(h)] == [*range(9, 17), 32]
-    assert all(trtllm_gen_supports_num_heads(h) for h in range(33, 65))
-    assert [h for h in range(65, 257) if trtllm_gen_supports_num_heads(h)] == [128, 192, 256]
-    assert trtllm_gen_supports_num_heads(0) is False
+@pytest.mark.parametrize("h", TILEABLE)
+def test_tileable_head_counts(h):
+    assert trtllm_gen_supports_num_heads(h) is True
+
+
+@pytest.mark.parametrize("h", NOT_TILEABLE)
+def test_untileable_head_counts(h):
+    assert trtllm_gen_supports_num_heads(h) is False
+
+
+def test_rule_never_sends_flashinfer_a_head_count_it_refuses():
+    """FlashInfer's own trtllm-gen eligibility (64 < heads < 128 refused) must imply ours: no count we call tileable
+    may be one FlashInfer rejects for a 64-token page."""
+    refused = [h for h in range(1, 257) if _trtllm_gen_mla_incompatibility_reason(num_heads_q=h, block_size=PAGE)]
+    assert refused == list(range(65, 128))  # what FlashInfer 0.7.4 says, so the comparison below is not vacuous
+    assert not [h for h in refused if trtllm_gen_supports_num_heads(h)]
 
 
 def test_exported_from_package():
     assert hf_flashinfer_mla.trtllm_gen_supports_num_heads is trtllm_gen_supports_num_heads
-    assert hf_flashinfer_mla.select_decode_backend is select_decode_backend
     assert hf_flashinfer_mla.multi_ctas_kv_counter_buffer is buffers.multi_ctas_kv_counter_buffer
-
-
-@pytest.fixture
-def clean_cute_warning():
-    trtllm._warn_cute_dsl.cache_clear()
-    yield
-    trtllm._warn_cute_dsl.cache_clear()
-
-
-def _warnings(caplog):
-    return [r for r in caplog.records if r.name == "hf_flashinfer_mla" and r.levelno >= logging.WARNING]
-
-
-def test_select_decode_backend_all_counts(caplog, clean_cute_warning):
-    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
-    for h in range(1, 257):
-        assert select_decode_backend(h) == (None if expected_supported(h) else "cute-dsl"), h
-    unsupported = [h for h in range(1, 257) if not expected_supported(h)]
-    warns = _warnings(caplog)
-    assert len(warns) == len(unsupported)
-    for h, record in zip(unsupported, warns):
-        assert f"{h} query heads" in record.getMessage()
-        assert "cute-dsl" in record.getMessage()
-
-
-def test_select_decode_backend_warns_once_per_count(caplog, clean_cute_warning):
-    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
-    assert select_decode_backend(96) == "cute-dsl"
-    assert select_decode_backend(96) == "cute-dsl"
-    assert len(_warnings(caplog)) == 1
-    assert select_decode_backend(24) == "cute-dsl"
-    assert select_decode_backend(24) == "cute-dsl"
-    assert select_decode_backend(96) == "cute-dsl"
-    msgs = [r.getMessage() for r in _warnings(caplog)]
-    assert len(msgs) == 2 and "96 query heads" in msgs[0] and "24 query heads" in msgs[1]
-    caplog.clear()
-    for h in (16, 48, 64, 128):
-        assert select_decode_backend(h) is None
-    assert _warnings(caplog) == []
 
 
 # ---------------------------------------------------------------------------------------------------- counter buffer
@@ -215,6 +166,114 @@ def test_counter_sized_for_worst_case_then_reused(clean_counters):
     first = multi_ctas_kv_counter_buffer(sizes[0], CPU)
     for size in sizes[1:]:
         assert multi_ctas_kv_counter_buffer(size, CPU) is first
+
+
+@pytest.fixture
+def sm_count(monkeypatch):
+    """FlashInfer's SM-count query, answered without a GPU."""
+    asked = []
+
+    def fake(device):
+        asked.append(device)
+        return 148
+
+    monkeypatch.setattr(flashinfer.utils, "get_device_sm_count", fake)
+    return asked
+
+
+def test_counter_buffer_sized_for_a_worst_case_and_kept(clean_counters, sm_count):
+    small = trtllm.counter_buffer(1, 128, CPU)  # one query token: sized for COUNTER_MIN_TOKENS all the same
+    assert small.numel() == get_trtllm_gen_multi_ctas_kv_counter_bytes(trtllm.COUNTER_MIN_TOKENS, 128, 148)
+    for tokens, heads in [(64, 128), (1024, 128), (7, 16), (1000, 96), (3, 128)]:
+        assert trtllm.counter_buffer(tokens, heads, CPU) is small, (tokens, heads)
+    big = trtllm.counter_buffer(1025, 128, CPU)  # past the bucket: the next power of two, once
+    assert big.numel() == get_trtllm_gen_multi_ctas_kv_counter_bytes(2048, 128, 148)
+    for tokens in (1025, 1500, 2048, 1, 512):
+        assert trtllm.counter_buffer(tokens, 128, CPU) is big
+    assert sm_count and all(d == CPU for d in sm_count)
+
+
+# ---------------------------------------------------------------------------------------------------- the kernel call
+
+
+def _fake_trtllm_decode(calls):
+    """Stands in for ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla``: FlashInfer's own checks of the counter
+    buffer and of trtllm-gen eligibility (the functions FlashInfer calls), then the attention it would compute over
+    the paged cache (causal over the step's query tokens), so that the indices are checked too."""
+
+    def fake(*, query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, block_tables,
+             seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend, multi_ctas_kv_counter_buffer=None):
+        calls.append({"backend": backend, "counter": multi_ctas_kv_counter_buffer, "heads": query.shape[2]})
+        b, sq, h, width = query.shape
+        assert width == kv_lora_rank + qk_rope_head_dim and kv_cache.shape[1:] == (PAGE, width)
+        assert block_tables.dtype == seq_lens.dtype == torch.int32 and max_seq_len == int(seq_lens.max())
+        assert workspace_buffer.dtype == torch.uint8 and bmm2_scale == 1.0
+        eligible = _trtllm_gen_mla_incompatibility_reason(num_heads_q=h, block_size=kv_cache.shape[1]) is None
+        if multi_ctas_kv_counter_buffer is not None:
+            if backend == "cute-dsl" or (backend == "auto" and not eligible):
+                raise ValueError("multi_ctas_kv_counter_buffer is only supported when a trtllm-gen runner is selected")
+            _resolve_trtllm_gen_multi_ctas_kv_counter_buffer(multi_ctas_kv_counter_buffer, b, h, 148, query.device)
+        out = query.new_empty(b, sq, h, kv_lora_rank)
+        for i in range(b):
+            n = int(seq_lens[i])
+            kv = kv_cache[block_tables[i].long()].reshape(-1, width)[:n]  # [n, L + R]
+            scores = torch.einsum("qhd,kd->hqk", query[i], kv) * bmm1_scale
+            visible = torch.arange(n)[None, :] <= torch.arange(n - sq, n)[:, None]  # [Sq, n]
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            out[i] = torch.einsum("hqk,kd->qhd", probs, kv[:, :kv_lora_rank])
+        return out
+
+    return fake
+
+
+@pytest.mark.parametrize("backend, heads", [("trtllm-gen", 16), ("cute-dsl", 96), ("cute-dsl", 16),
+                                            ("trtllm-gen", 128), ("cute-dsl", 24)])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_trtllm_decode_call_contract(monkeypatch, clean_counters, sm_count, backend, heads, q_len):
+    calls = []
+    monkeypatch.setattr(flashinfer.mla, "trtllm_batch_decode_with_kv_cache_mla", _fake_trtllm_decode(calls))
+    monkeypatch.setattr(trtllm, "workspace_buffer", lambda device: torch.zeros(1024, dtype=torch.uint8))
+    g = torch.Generator().manual_seed(heads + q_len)
+    starts, s = [0, 64, 0], 150  # left padding aligned to trtllm-gen's pages
+    layer, _ = _filled_layer(len(starts), [s], seed=heads)
+    kv_latent, k_rot = layer.keys, layer.values
+    mask = torch.zeros(len(starts), 1, q_len, s, dtype=torch.bool)
+    for i, start in enumerate(starts):
+        for j in range(q_len):
+            mask[i, 0, j, start : s - q_len + 1 + j] = True
+    q_lat = torch.randn(len(starts), heads, q_len, RANK, generator=g) * 0.05
+    q_pe = torch.randn(len(starts), heads, q_len, ROPE, generator=g) * 0.05
+    out = trtllm.trtllm_decode(backend, StepPlan(mask), q_lat, q_pe, kv_latent, k_rot, 0.1)
+    assert len(calls) == 1
+    call = calls[0]
+    assert call["heads"] == heads
+    if backend == "cute-dsl":
+        assert call["backend"] == "cute-dsl" and call["counter"] is None
+    else:
+        assert call["backend"] == "auto" and call["counter"] is buffers._counters[CPU]
+    ref = mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, mask, 0.1)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_fake_rejects_what_flashinfer_rejects(monkeypatch, clean_counters, sm_count):
+    """Control: the stand-in raises for the calls the old code made (a counter with cute-dsl), and for a counter
+    sized for too few query tokens, as FlashInfer does."""
+    fake = _fake_trtllm_decode([])
+    layer, _ = _filled_layer(1, [64])
+    pages = packed_pages(layer.keys, layer.values)
+    args = dict(query=torch.zeros(1, 1, 96, ROW), kv_cache=pages, workspace_buffer=torch.zeros(8, dtype=torch.uint8),
+                qk_nope_head_dim=RANK, kv_lora_rank=RANK, qk_rope_head_dim=ROPE,
+                block_tables=torch.zeros(1, 1, dtype=torch.int32), seq_lens=torch.tensor([64], dtype=torch.int32),
+                max_seq_len=64, bmm1_scale=0.1, bmm2_scale=1.0)
+    counter = torch.zeros(get_trtllm_gen_multi_ctas_kv_counter_bytes(1, 96, 148), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="trtllm-gen runner"):
+        fake(**args, backend="cute-dsl", multi_ctas_kv_counter_buffer=counter)
+    with pytest.raises(ValueError, match="trtllm-gen runner"):
+        fake(**args, backend="auto", multi_ctas_kv_counter_buffer=counter)  # 96 heads: no trtllm-gen runner
+    args["query"] = torch.zeros(1, 1, 128, ROW)
+    with pytest.raises(ValueError, match="too small"):
+        fake(**args, backend="auto", multi_ctas_kv_counter_buffer=torch.zeros(16, dtype=torch.uint8))
+    fake(**args, backend="auto", multi_ctas_kv_counter_buffer=trtllm.counter_buffer(1, 128, CPU))
 
 
 # ---------------------------------------------------------------------------------------------------- packed pages
