@@ -128,8 +128,9 @@ def plan_always_accepted(device: str, batch: int, q_len: int, num_heads: int) ->
     """Whether FlashInfer accepts the plan of every step of this shape, whatever the cached lengths.
 
     Its causal tile bound can refuse a step of 2-8 query tokens when a 64- or 128-row query tile ends inside a
-    query token's heads (``_validate_fa_causal_tile_bound``); its scheduler holds at most `MAX_WORK_ITEMS` work items, and a
-    step needs at most one per query tile plus one per cluster of SMs (the KV splits, ``scheduler.cuh``)."""
+    query token's heads (``_validate_fa_causal_tile_bound``); its scheduler holds at most `MAX_WORK_ITEMS` work
+    items, and a step needs at most one per query tile plus one per cluster of SMs (the KV splits,
+    ``scheduler.cuh``)."""
     tile_q = 128 if q_len * num_heads > 64 else 64
     tile_ends = range(tile_q, q_len * num_heads, tile_q)  # query tiles ending inside the step's query rows
     if q_len > 1 and any(end % num_heads for end in tile_ends):

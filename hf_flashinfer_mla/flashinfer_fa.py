@@ -215,11 +215,11 @@ class GeneratedFa:
 
     def _static_refusal(self, rope) -> str | None:
         """FlashInfer's checks that do not depend on the step (dtypes, dims, shared memory, workspace size)."""
-        empty = torch.zeros(0, dtype=torch.int32)
+        i32 = functools.partial(torch.zeros, dtype=torch.int32)
         try:
             self.surface.validate_static(
-                backend=self.backend, device=self.device, qo_indptr=torch.zeros(2, dtype=torch.int32),
-                kv_indptr=torch.zeros(2, dtype=torch.int32), kv_indices=empty, kv_len_arr=torch.zeros(1, dtype=torch.int32),
+                backend=self.backend, device=self.device, qo_indptr=i32(2), kv_indptr=i32(2), kv_indices=i32(0),
+                kv_len_arr=i32(1),
                 head_dim_ckv=self.rank, head_dim_kpe=rope, q_data_type=self.dtype, kv_data_type=self.dtype,
                 output_dtype=self.dtype, scale_mode="default",
             )

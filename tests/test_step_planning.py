@@ -45,7 +45,8 @@ def _left_padded(b, s, g):
 def test_rows_from_ranges_equal_rows_from_mask(seed):
     """The host-known ranges give the same CSR arrays and, for any pitch, the same indices as reading the mask."""
     g = torch.Generator().manual_seed(seed)
-    b, s, q_len = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)), 1 + seed % 4
+    b, s = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+    q_len = 1 + seed % 4
     first, valid = _left_padded(b, s, g)
     ours, exact = rows_from_ranges(KVRanges(first, s), q_len), rows_from_mask(valid, q_len)
     for name in ("qo_indptr", "kv_indptr", "kv_len"):
