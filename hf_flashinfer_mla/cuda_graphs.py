@@ -42,7 +42,8 @@ class GraphSlot:
         self.kv_indices = torch.zeros(batch * pitch, dtype=torch.int32, device=device)
         self.plan_info = None
         if fa.uses_generated_module():
-            self.engine, self.wrapper = fa.GeneratedFa(device, backend, num_heads, dtype, rank, rope), None
+            self.engine, self.wrapper = fa.generated_fa(device, backend, num_heads, dtype, rank, rope), None
+            self.int_workspace = self.engine.new_workspace()  # the schedule, at a fixed address
         else:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
@@ -61,7 +62,7 @@ class GraphSlot:
             if self.engine is None:
                 fa.wrapper_plan(self.wrapper, rows, indices, self.causal, self.scale, *self.dims)
                 return
-            plan_info = self.engine.plan(rows, self.causal)
+            plan_info = self.engine.plan(rows, self.causal, self.int_workspace)
         except fa.PlanRefused as exc:
             # `plan_always_accepted` admitted this shape; a refusal means FlashInfer changed its rules.
             raise RuntimeError(f"FlashInfer refused a CUDA-graph decode plan it was expected to accept: {exc}. "
@@ -76,7 +77,8 @@ class GraphSlot:
     def run(self, q_nope, q_rope, ckv, kpe) -> torch.Tensor:
         if self.engine is None:
             return self.wrapper.run(query=(q_nope, q_rope), kv_cache=(ckv, kpe))
-        return self.engine.run(self.plan_info, q_nope, q_rope, ckv, kpe, self.kv_indices, self.causal, self.scale)
+        return self.engine.run(self.plan_info, self.int_workspace, q_nope, q_rope, ckv, kpe, self.kv_indices,
+                               self.causal, self.scale)
 
 
 _slots: dict[tuple, GraphSlot] = {}

@@ -198,20 +198,21 @@ def uses_generated_module() -> bool:
 
 
 class GeneratedFa:
-    """FlashInfer's generated fa2/fa3 MLA module for one (device, backend, heads, dtype), with its integer
-    workspace (which holds the planned schedule the kernel reads) and the pinned scratch its planner writes."""
+    """FlashInfer's generated fa2/fa3 MLA module for one (device, backend, heads, dtype, dims), with the result of
+    FlashInfer's checks that do not depend on the step.
 
-    def __init__(self, device, backend, num_heads, dtype, rank, rope, int_workspace=None):
+    The schedule a plan writes lives in an integer workspace owned by its caller: one per step (`FaStep`, from
+    PyTorch's caching allocator, so concurrent generate() calls in several threads never share one) or one per
+    CUDA-graph slot (fixed address)."""
+
+    def __init__(self, device, backend, num_heads, dtype, rank, rope):
         surface = generated_surface()
         self.surface, self.device, self.backend, self.num_heads, self.dtype = surface, device, backend, num_heads, dtype
         self.rank = rank
         self.float_workspace = workspace_buffer(device)
         self.refused = self._static_refusal(rope)
-        self.module = surface.get_module(backend, dtype, dtype, dtype, torch.int32, rank, rope, False)
-        if int_workspace is None:
-            int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.int_workspace = int_workspace
-        self.scratch = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.module = None if self.refused else surface.get_module(backend, dtype, dtype, dtype, torch.int32, rank,
+                                                                   rope, False)
 
     def _static_refusal(self, rope) -> str | None:
         """FlashInfer's checks that do not depend on the step (dtypes, dims, shared memory, workspace size)."""
@@ -219,9 +220,8 @@ class GeneratedFa:
         try:
             self.surface.validate_static(
                 backend=self.backend, device=self.device, qo_indptr=i32(2), kv_indptr=i32(2), kv_indices=i32(0),
-                kv_len_arr=i32(1),
-                head_dim_ckv=self.rank, head_dim_kpe=rope, q_data_type=self.dtype, kv_data_type=self.dtype,
-                output_dtype=self.dtype, scale_mode="default",
+                kv_len_arr=i32(1), head_dim_ckv=self.rank, head_dim_kpe=rope, q_data_type=self.dtype,
+                kv_data_type=self.dtype, output_dtype=self.dtype, scale_mode="default",
             )
         except self.surface.refused as exc:
             return str(exc)
@@ -232,8 +232,12 @@ class GeneratedFa:
                 return f"the float workspace holds {self.float_workspace.numel()} bytes, {need} are needed"
         return None
 
-    def plan(self, rows: PagedRows, causal: bool):
-        """FlashInfer's workload validation, then its native scheduler on the host arrays. Returns the plan info."""
+    def new_workspace(self) -> torch.Tensor:
+        return torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+
+    def plan(self, rows: PagedRows, causal: bool, int_workspace: torch.Tensor):
+        """FlashInfer's workload validation, then its native scheduler on the host arrays; the schedule goes to
+        `int_workspace` by an asynchronous copy. Returns the plan info the kernel launch needs."""
         if self.refused:
             raise PlanRefused(self.refused)
         try:
@@ -241,16 +245,19 @@ class GeneratedFa:
                                            self.backend, self.dtype)
         except self.surface.refused as exc:
             raise PlanRefused(str(exc)) from None
+        # The native planner writes the schedule into pinned scratch, which FlashInfer copies to fresh staging
+        # memory before the copy to the GPU: the scratch is free again when plan returns.
+        scratch = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         plan_info, _ = self.module.plan_with_staged_workspace_bytes(
-            self.float_workspace, self.int_workspace, self.scratch, rows.qo_indptr, rows.kv_indptr, rows.kv_len,
+            self.float_workspace, int_workspace, scratch, rows.qo_indptr, rows.kv_indptr, rows.kv_len,
             self.num_heads, self.rank, causal,
         )
         return plan_info
 
-    def run(self, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float) -> torch.Tensor:
+    def run(self, plan_info, int_workspace, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float):
         out = torch.empty_like(q_nope)
         self.module.run(
-            self.float_workspace, self.int_workspace, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, out, None,
+            self.float_workspace, int_workspace, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, out, None,
             1 if causal else 0,  # flashinfer.utils.MaskMode CAUSAL / NON_CAUSAL
             self.num_heads, 1, scale,  # heads, page size, softmax scale
             False, 1.0, 1.0, None,  # return_lse_base_on_e, ckv/kpe scales and scale array (bf16/fp16 cache)
@@ -262,7 +269,7 @@ _engines: dict[tuple, GeneratedFa] = {}
 
 
 def generated_fa(device, backend, num_heads, dtype, rank, rope) -> GeneratedFa:
-    """The process-wide eager-mode module and workspaces of this device, backend, head count and dtype."""
+    """The process-wide module of this device, backend, head count, dtype and dims."""
     key = (device, backend, num_heads, dtype, rank, rope)
     if key not in _engines:
         _engines[key] = GeneratedFa(device, backend, num_heads, dtype, rank, rope)
@@ -307,7 +314,8 @@ class FaStep:
         self.engine = generated_fa(device, backend, num_heads, dtype, rank, rope) if uses_generated_module() else None
         try:
             if self.engine is not None:
-                self.plan_info = self.engine.plan(self.rows, self.causal)
+                self.int_workspace = self.engine.new_workspace()  # this step's schedule
+                self.plan_info = self.engine.plan(self.rows, self.causal, self.int_workspace)
             else:
                 self._wrapper(pitch, scale)
         except PlanRefused as exc:
@@ -334,7 +342,8 @@ class FaStep:
         if self.refused:
             raise PlanRefused(f"{self.backend}: {self.refused}")
         if self.engine is not None:
-            return self.engine.run(self.plan_info, q_nope, q_rope, ckv, kpe, self.indices(pitch), self.causal, scale)
+            return self.engine.run(self.plan_info, self.int_workspace, q_nope, q_rope, ckv, kpe, self.indices(pitch),
+                                   self.causal, scale)
         return self._wrapper(pitch, scale).run(query=(q_nope, q_rope), kv_cache=(ckv, kpe))
 
 

@@ -393,7 +393,7 @@ def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch
     key = (cpu, "fa3", 4, torch.float64, 32, 8, 0.25, 2, 1, 16)
     slot = cuda_graphs._slots[key] = cuda_graphs.GraphSlot(key)
     other = cuda_graphs._slots[key[:-1] + (24,)] = cuda_graphs.GraphSlot(key[:-1] + (24,))
-    indices, workspace = slot.kv_indices, slot.engine.int_workspace
+    indices, workspace = slot.kv_indices, slot.int_workspace
     fa3 = fake_hopper.modules["fa3"]
     for end in (10, 11, 12):
         plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool))
@@ -401,7 +401,7 @@ def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch
         cuda_graphs.plan_graph_slots(plan)
         cuda_graphs.plan_graph_slots(plan)  # the op's eager run on the same step does not plan again
         assert len(fa3.plans) == end - 9 and fa3.plans[-1]["kv_len"].tolist() == [end - 3, end]
-        assert slot.kv_indices is indices and slot.engine.int_workspace is workspace  # fixed addresses
+        assert slot.kv_indices is indices and slot.int_workspace is workspace  # fixed addresses
         assert indices[: 2 * end - 3].tolist() == list(range(3, end)) + list(range(16, 16 + end))
         assert other.plan_info is None  # another pitch: another shape, not planned
     q = torch.randn(2, 4, 32, dtype=torch.float64)
