@@ -42,7 +42,8 @@ class GraphSlot:
         self.kv_indices = torch.zeros(batch * pitch, dtype=torch.int32, device=device)
         self.plan_info = None
         if fa.uses_generated_module():
-            self.engine, self.wrapper = fa.GeneratedFa(device, backend, num_heads, dtype, rank, rope), None
+            self.engine, self.wrapper = fa.generated_fa(device, backend, num_heads, dtype, rank, rope), None
+            self.int_workspace = self.engine.new_workspace()  # the schedule, at a fixed address
         else:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
@@ -61,7 +62,7 @@ class GraphSlot:
             if self.engine is None:
                 fa.wrapper_plan(self.wrapper, rows, indices, self.causal, self.scale, *self.dims)
                 return
-            plan_info = self.engine.plan(rows, self.causal)
+            plan_info = self.engine.plan(rows, self.causal, self.int_workspace)
         except fa.PlanRefused as exc:
             # `plan_always_accepted` admitted this shape; a refusal means FlashInfer changed its rules.
             raise RuntimeError(f"FlashInfer refused a CUDA-graph decode plan it was expected to accept: {exc}. "
@@ -76,7 +77,8 @@ class GraphSlot:
     def run(self, q_nope, q_rope, ckv, kpe) -> torch.Tensor:
         if self.engine is None:
             return self.wrapper.run(query=(q_nope, q_rope), kv_cache=(ckv, kpe))
-        return self.engine.run(self.plan_info, q_nope, q_rope, ckv, kpe, self.kv_indices, self.causal, self.scale)
+        return self.engine.run(self.plan_info, self.int_workspace, q_nope, q_rope, ckv, kpe, self.kv_indices,
+                               self.causal, self.scale)
 
 
 _slots: dict[tuple, GraphSlot] = {}
@@ -128,8 +130,9 @@ def plan_always_accepted(device: str, batch: int, q_len: int, num_heads: int) ->
     """Whether FlashInfer accepts the plan of every step of this shape, whatever the cached lengths.
 
     Its causal tile bound can refuse a step of 2-8 query tokens when a 64- or 128-row query tile ends inside a
-    query token's heads (``_validate_fa_causal_tile_bound``); its scheduler holds at most `MAX_WORK_ITEMS` work items, and a
-    step needs at most one per query tile plus one per cluster of SMs (the KV splits, ``scheduler.cuh``)."""
+    query token's heads (``_validate_fa_causal_tile_bound``); its scheduler holds at most `MAX_WORK_ITEMS` work
+    items, and a step needs at most one per query tile plus one per cluster of SMs (the KV splits,
+    ``scheduler.cuh``)."""
     tile_q = 128 if q_len * num_heads > 64 else 64
     tile_ends = range(tile_q, q_len * num_heads, tile_q)  # query tiles ending inside the step's query rows
     if q_len > 1 and any(end % num_heads for end in tile_ends):

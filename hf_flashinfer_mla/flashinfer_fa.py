@@ -198,10 +198,14 @@ def uses_generated_module() -> bool:
 
 
 class GeneratedFa:
-    """FlashInfer's generated fa2/fa3 MLA module for one (device, backend, heads, dtype), with its integer
-    workspace (which holds the planned schedule the kernel reads) and the pinned scratch its planner writes."""
+    """FlashInfer's generated fa2/fa3 MLA module for one (device, backend, heads, dtype, dims), with the result of
+    FlashInfer's checks that do not depend on the step.
 
-    def __init__(self, device, backend, num_heads, dtype, rank, rope, int_workspace=None, kv_dtype=None):
+    The schedule a plan writes lives in an integer workspace owned by its caller: one per step (`FaStep`, from
+    PyTorch's caching allocator, so concurrent generate() calls in several threads never share one) or one per
+    CUDA-graph slot (fixed address)."""
+
+    def __init__(self, device, backend, num_heads, dtype, rank, rope, kv_dtype=None):
         surface = generated_surface()
         self.surface, self.device, self.backend, self.num_heads, self.dtype = surface, device, backend, num_heads, dtype
         self.kv_dtype = kv_dtype or dtype  # float8_e4m3fn: the FP8 latent cache, read in place with its scales
@@ -210,20 +214,15 @@ class GeneratedFa:
         self.refused = self._static_refusal(rope)
         self.module = None if self.refused else surface.get_module(
             backend, dtype, self.kv_dtype, dtype, torch.int32, rank, rope, False)
-        if int_workspace is None:
-            int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.int_workspace = int_workspace
-        self.scratch = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
     def _static_refusal(self, rope) -> str | None:
         """FlashInfer's checks that do not depend on the step (dtypes, dims, shared memory, workspace size)."""
-        empty = torch.zeros(0, dtype=torch.int32)
+        i32 = functools.partial(torch.zeros, dtype=torch.int32)
         try:
             self.surface.validate_static(
-                backend=self.backend, device=self.device, qo_indptr=torch.zeros(2, dtype=torch.int32),
-                kv_indptr=torch.zeros(2, dtype=torch.int32), kv_indices=empty, kv_len_arr=torch.zeros(1, dtype=torch.int32),
-                head_dim_ckv=self.rank, head_dim_kpe=rope, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                output_dtype=self.dtype, scale_mode=scale_mode(self.kv_dtype),
+                backend=self.backend, device=self.device, qo_indptr=i32(2), kv_indptr=i32(2), kv_indices=i32(0),
+                kv_len_arr=i32(1), head_dim_ckv=self.rank, head_dim_kpe=rope, q_data_type=self.dtype,
+                kv_data_type=self.kv_dtype, output_dtype=self.dtype, scale_mode=scale_mode(self.kv_dtype),
             )
         except self.surface.refused as exc:
             return str(exc)
@@ -234,8 +233,12 @@ class GeneratedFa:
                 return f"the float workspace holds {self.float_workspace.numel()} bytes, {need} are needed"
         return None
 
-    def plan(self, rows: PagedRows, causal: bool):
-        """FlashInfer's workload validation, then its native scheduler on the host arrays. Returns the plan info."""
+    def new_workspace(self) -> torch.Tensor:
+        return torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+
+    def plan(self, rows: PagedRows, causal: bool, int_workspace: torch.Tensor):
+        """FlashInfer's workload validation, then its native scheduler on the host arrays; the schedule goes to
+        `int_workspace` by an asynchronous copy. Returns the plan info the kernel launch needs."""
         if self.refused:
             raise PlanRefused(self.refused)
         try:
@@ -243,17 +246,20 @@ class GeneratedFa:
                                            self.backend, self.kv_dtype)
         except self.surface.refused as exc:
             raise PlanRefused(str(exc)) from None
+        # The native planner writes the schedule into pinned scratch, which FlashInfer copies to fresh staging
+        # memory before the copy to the GPU: the scratch is free again when plan returns.
+        scratch = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         plan_info, _ = self.module.plan_with_staged_workspace_bytes(
-            self.float_workspace, self.int_workspace, self.scratch, rows.qo_indptr, rows.kv_indptr, rows.kv_len,
+            self.float_workspace, int_workspace, scratch, rows.qo_indptr, rows.kv_indptr, rows.kv_len,
             self.num_heads, self.rank, causal,
         )
         return plan_info
 
-    def run(self, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float,
-            kv_scales=(1.0, 1.0)) -> torch.Tensor:
+    def run(self, plan_info, int_workspace, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float,
+            kv_scales=(1.0, 1.0)):
         out = torch.empty_like(q_nope)
         self.module.run(
-            self.float_workspace, self.int_workspace, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, out, None,
+            self.float_workspace, int_workspace, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, out, None,
             1 if causal else 0,  # flashinfer.utils.MaskMode CAUSAL / NON_CAUSAL
             self.num_heads, 1, scale,  # heads, page size, softmax scale
             False, float(kv_scales[0]), float(kv_scales[1]), None,  # return_lse_base_on_e, ckv/kpe scales, no array
@@ -319,7 +325,8 @@ class FaStep:
                        if uses_generated_module() else None)
         try:
             if self.engine is not None:
-                self.plan_info = self.engine.plan(self.rows, self.causal)
+                self.int_workspace = self.engine.new_workspace()  # this step's schedule
+                self.plan_info = self.engine.plan(self.rows, self.causal, self.int_workspace)
             else:
                 self._wrapper(pitch, scale)
         except PlanRefused as exc:
@@ -347,8 +354,8 @@ class FaStep:
         if self.refused:
             raise PlanRefused(f"{self.backend}: {self.refused}")
         if self.engine is not None:
-            return self.engine.run(self.plan_info, q_nope, q_rope, ckv, kpe, self.indices(pitch), self.causal, scale,
-                                   kv_scales or (1.0, 1.0))
+            return self.engine.run(self.plan_info, self.int_workspace, q_nope, q_rope, ckv, kpe, self.indices(pitch),
+                                   self.causal, scale, kv_scales or (1.0, 1.0))
         fp8 = {} if kv_scales is None else {"ckv_scale": float(kv_scales[0]), "kpe_scale": float(kv_scales[1])}
         return self._wrapper(pitch, scale).run(query=(q_nope, q_rope), kv_cache=(ckv, kpe), **fp8)
 

@@ -45,7 +45,8 @@ def _left_padded(b, s, g):
 def test_rows_from_ranges_equal_rows_from_mask(seed):
     """The host-known ranges give the same CSR arrays and, for any pitch, the same indices as reading the mask."""
     g = torch.Generator().manual_seed(seed)
-    b, s, q_len = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)), 1 + seed % 4
+    b, s = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+    q_len = 1 + seed % 4
     first, valid = _left_padded(b, s, g)
     ours, exact = rows_from_ranges(KVRanges(first, s), q_len), rows_from_mask(valid, q_len)
     for name in ("qo_indptr", "kv_indptr", "kv_len"):
@@ -392,7 +393,7 @@ def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch
     key = (cpu, "fa3", 4, torch.float64, 32, 8, 0.25, 2, 1, 16)
     slot = cuda_graphs._slots[key] = cuda_graphs.GraphSlot(key)
     other = cuda_graphs._slots[key[:-1] + (24,)] = cuda_graphs.GraphSlot(key[:-1] + (24,))
-    indices, workspace = slot.kv_indices, slot.engine.int_workspace
+    indices, workspace = slot.kv_indices, slot.int_workspace
     fa3 = fake_hopper.modules["fa3"]
     for end in (10, 11, 12):
         plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool))
@@ -400,7 +401,7 @@ def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch
         cuda_graphs.plan_graph_slots(plan)
         cuda_graphs.plan_graph_slots(plan)  # the op's eager run on the same step does not plan again
         assert len(fa3.plans) == end - 9 and fa3.plans[-1]["kv_len"].tolist() == [end - 3, end]
-        assert slot.kv_indices is indices and slot.engine.int_workspace is workspace  # fixed addresses
+        assert slot.kv_indices is indices and slot.int_workspace is workspace  # fixed addresses
         assert indices[: 2 * end - 3].tolist() == list(range(3, end)) + list(range(16, 16 + end))
         assert other.plan_info is None  # another pitch: another shape, not planned
     q = torch.randn(2, 4, 32, dtype=torch.float64)
