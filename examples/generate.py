@@ -6,6 +6,9 @@ downloaded) and prints both generations, whether they match, and the decode time
     python examples/generate.py
     python examples/generate.py --model /path/to/DeepSeek-V2-Lite-Chat --dtype bfloat16 --device cuda \
         --prompt "The capital of France is" --max-new-tokens 64
+
+``--fp8-cache`` gives flashinfer_mla the FP8 latent cache (``MLALatentCache(config, dtype=torch.float8_e4m3fn)``):
+half the cache memory; its tokens may then differ from eager's where logits are close.
 """
 
 from __future__ import annotations
@@ -46,13 +49,16 @@ def load(path, dtype, device):
     return model.eval(), transformers.AutoTokenizer.from_pretrained(path)
 
 
-def timed_generate(model, inputs, max_new_tokens, device):
+def timed_generate(model, inputs, max_new_tokens, device, cache_dtype=None):
     """Generate greedily; returns the new tokens and the seconds per decode step (prefill excluded)."""
     def run(n):
+        cache = {}
+        if cache_dtype is not None:  # a fresh cache per call: generate() fills the one it is given
+            cache = {"cache": hf_flashinfer_mla.MLALatentCache(model.config, dtype=cache_dtype)}
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, **cache)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return out, time.perf_counter() - start
@@ -74,6 +80,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--attn", nargs="+", default=["flashinfer_mla", "eager"],
                         help="implementations to run side by side (first one is compared with the others)")
+    parser.add_argument("--fp8-cache", action="store_true", help="flashinfer_mla runs on the FP8 latent cache")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
@@ -97,7 +104,8 @@ def main():
     results = {}
     for attn in args.attn:
         model.set_attn_implementation(attn)
-        results[attn] = timed_generate(model, inputs, args.max_new_tokens, device)
+        fp8 = torch.float8_e4m3fn if args.fp8_cache and attn == "flashinfer_mla" else None
+        results[attn] = timed_generate(model, inputs, args.max_new_tokens, device, fp8)
 
     print(f"model: {args.model or 'random DeepSeek-V3-style (4 layers)'}, {dtype}, {device}, "
           f"batch {inputs['input_ids'].shape[0]}, {args.max_new_tokens} new tokens")

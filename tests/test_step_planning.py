@@ -177,18 +177,18 @@ def test_generate_on_fa3_matches_eager_alone_planning_once_per_step_without_read
 
 def test_user_loop_plans_from_the_mask_and_matches(fake_hopper, monkeypatch):
     """Outside generate() the rows are read off the mask (one sync a step), and the result is the same."""
-    from conftest import teacher_forced_logits
+    from conftest import decode_logits
 
     model = make_model("deepseek_v3")
     from_mask = _spy(monkeypatch, flashinfer_fa, "rows_from_mask")
     ids, mask, prompts = left_padded_batch()
     forced = torch.randint(1, VOCAB, (3, 4), generator=torch.Generator().manual_seed(2))
-    ours = teacher_forced_logits(model, ids, mask, forced, DynamicCache(config=model.config))
+    ours = decode_logits(model, ids, mask, cache=DynamicCache(config=model.config), forced=forced)
     assert len(from_mask) == 4 and len(fake_hopper.modules["fa3"].plans) == 4
     model.set_attn_implementation("eager")
     for i, p in enumerate(prompts):
-        alone = teacher_forced_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced[i : i + 1],
-                                      DynamicCache(config=model.config))
+        alone = decode_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long),
+                              cache=DynamicCache(config=model.config), forced=forced[i : i + 1])
         assert rel_err(ours[i], alone[0]) < TOL
 
 

@@ -5,7 +5,7 @@ GPUs (``kv_b_proj`` a colwise DTensor whose ``.shape`` is global; the query hold
 rowwise with an all-reduce) can be checked here exactly. `scripts/tp_parity.py` is launched twice: in this process
 (one rank) and under ``torchrun --nproc-per-node 2`` (two ranks); both load the same saved checkpoints.
 
-For each of the ten dense MLA families (small random models of `conftest.py` and `test_other_models.py`), and for
+For each of the ten dense MLA families (the small random models of `conftest.FAMILIES`), and for
 DeepSeek-V3 and Mistral 4 with attention sharded through a plan override (`tp_parity.mla_attention_tp_plan`):
 flashinfer_mla on two ranks equals flashinfer_mla and sdpa on one rank (teacher-forced logits over a left-padded
 batch; greedy tokens), every rank ends with the same logits, and the attention saw the rank's share of the heads:
@@ -26,10 +26,7 @@ import pytest
 import torch
 import torch.distributed
 
-from conftest import CONFIGS as BASE_CONFIGS
-from conftest import make_model
-from test_other_models import CONFIGS as OTHER_CONFIGS
-from test_other_models import make_model as make_other_model
+from conftest import FAMILIES, make_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -41,7 +38,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = 1e-6  # float64, as in test_models.py
-FAMILIES = (*BASE_CONFIGS, *OTHER_CONFIGS)
 # Checkpoint names run on two ranks; "@attn-plan" adds head-sharded attention to the plan (prototype).
 TP_RUNS = (*FAMILIES, "deepseek_v3@attn-plan", "mistral4@attn-plan")
 SHARDED_ATTENTION = {"deepseek_v2", "glm4_moe_lite", "minicpm3", "longcat_flash", "deepseek_v3@attn-plan",
@@ -54,8 +50,7 @@ ARGS = ["--device", "cpu", "--dtype", "float64", "--experts-impl", "eager", "--l
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     for family in FAMILIES:
-        build = make_model if family in BASE_CONFIGS else make_other_model
-        build(family, attn="eager").save_pretrained(root / family)
+        make_model(family, attn="eager").save_pretrained(root / family)
     # Two ranks, started first so that their start-up overlaps the one-rank run in this process.
     two_dir, one_dir = root / "tp2", root / "tp1"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
