@@ -96,6 +96,13 @@ def build_model(config, dtype: torch.dtype, device: torch.device, experts_impl: 
     return model.eval()
 
 
+def cache_kwarg(model) -> str:
+    """The forward keyword that takes the cache: ``cache`` from Transformers 5.24 on, ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def make_cache(kind: str, attn: str, config, max_len: int, packed: bool | None = None):
     """The cache of a decode run: ``static`` gives every implementation a StaticCache; ``dynamic`` gives each what
     generate() gives it (flashinfer_mla: `MLALatentCache`, in the layout it picks for the GPU unless `packed`)."""

@@ -125,7 +125,7 @@ def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
     scale = (NOPE + ROPE) ** -0.5
     torch.manual_seed(args.seed + heads)
     module = LatentProjection(heads, dtype, device)
-    weights = absorbed_weights(module)
+    weights = absorbed_weights(module, dtype)
     q_nope = torch.randn(batch, heads, 1, NOPE, device=device, dtype=dtype)
     q_pe = torch.randn(batch, heads, 1, ROPE, device=device, dtype=dtype)
     caches = make_caches(layout, batch, context, copies, dtype, device)

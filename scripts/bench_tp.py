@@ -17,7 +17,7 @@ What it measures (random weights, bf16, saved once by ``scripts/tp_parity.py mak
    context 4096, at 128 / 64 / 32 / 16 heads: what one rank's attention costs at TP = 1 / 2 / 4 / 8 if heads are
    sharded, without the per-layer all-reduce.
 
-Method per cell, as in ``bench_decode.py`` (whose cache helpers it uses): the cache is filled with random latents
+Method per cell, as in ``bench_decode.py`` (its cache helpers are in ``bench_common.py``): the cache is filled with random latents
 (no prefill; on each layer's own device), then single-token steps at a constant context (the appended token is
 cropped after each step); ``--warmup`` untimed, ``--steps`` timed; time = wall clock between synchronisations of
 every device the process uses (CUDA events on one device would miss the other device's work in a device_map
@@ -69,7 +69,7 @@ def sync(devices) -> None:
 
 def time_cell(model, attn: str, batch: int, context: int, args, hooks=None) -> dict:
     """Median decode-step time of `model` with `attn` at (batch, context); never raises (errors are recorded)."""
-    from bench_decode import cache_kwarg, is_oom, make_cache
+    from bench_common import cache_kwarg, is_oom, make_cache
 
     rec = {"attn": attn, "batch": batch, "context": context, "status": "ok"}
     devices = sorted({p.device for p in model.parameters()}, key=str)
@@ -169,7 +169,7 @@ def worker_single(args) -> list[dict]:
     import transformers
 
     import hf_flashinfer_mla  # noqa: F401
-    from bench_decode import build_config
+    from bench_common import build_config
 
     results = []
     model = load(os.path.join(args.ckpt_dir, V2), device_map="cuda:0")

@@ -43,7 +43,7 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, SCRIPTS)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
-# GPU-sized shapes (random weights), from bench_decode.py's presets with a few test-friendly overrides: no EOS (so
+# GPU-sized shapes (random weights), from bench_common.py's presets with a few test-friendly overrides: no EOS (so
 # greedy runs have a fixed length), pad id 0, and wider random init (peaked logits; the GPU tests use 0.05 too).
 SHAPES = {"v2-lite": "deepseek-v2-lite", "v3-attn": "deepseek-v3-attn"}
 FAULTS = ("roll-heads",)
@@ -99,7 +99,7 @@ def make_checkpoint(shape: str, ckpt: str, dtype: torch.dtype, device: str, laye
                     vocab: int | None = None, seed: int = 0) -> None:
     """Build `shape` with random weights directly on `device` and save it to `ckpt` (skipped if already there)."""
     import transformers
-    from bench_decode import build_config
+    from bench_common import build_config
 
     if os.path.exists(os.path.join(ckpt, "config.json")):
         print(f"{ckpt}: exists, reused")
@@ -235,7 +235,7 @@ def run_checkpoint(args, ckpt: str, attn_plan: bool, out_path: str) -> None:
 
     import transformers
 
-    from bench_decode import cache_kwarg
+    from bench_common import cache_kwarg
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
