@@ -13,7 +13,10 @@ Because the model's ``expand_kv`` is hooked (``models.py``), ``key`` and ``value
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import transformers.utils.logging  # noqa: F401  (gives logging.Logger its warning_once)
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -26,6 +29,8 @@ from .metadata import MAX_DECODE_QUERY, StepPlan, as_bool_mask, step_plan
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .reference import mla_attention_reference
 from .trtllm import trtllm_decode
+
+logger = logging.getLogger("hf_flashinfer_mla")
 
 
 def flashinfer_mla_attention_forward(
@@ -69,8 +74,8 @@ def flashinfer_mla_attention_forward(
     q_lat = absorb_query(q_nope, weights)
     if torch.compiler.is_compiling():
         dims = (kv_latent.shape[-1], k_rot.shape[-1], weights.num_heads)
-        backend = backend_for_graph(str(query.device), query.dtype, *dims, mla_backend,
-                                    getattr(module.config, "mla_backend", None))
+        backend = "reference" if _needs_grad(q_lat, q_pe, kv_latent, k_rot) else backend_for_graph(
+            str(query.device), query.dtype, *dims, mla_backend, getattr(module.config, "mla_backend", None))
         o_lat = decode_latent_graph(backend, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale)
     else:
         plan = step_plan(attention_mask, module)
@@ -80,20 +85,35 @@ def flashinfer_mla_attention_forward(
 
 
 # ----------------------------------------------------------------------------------------------- decode section
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def step_backend(plan: StepPlan, module: nn.Module, q_lat, kv_latent, k_rot, mla_backend, scale) -> str:
     """The backend that runs this step's layers of this shape: chosen (and for fa3/fa2 planned) by the first
-    layer, shared by the others. A plan FlashInfer declines moves the step to fa2 or the reference backend."""
+    layer, shared by the others. A plan FlashInfer declines moves the step to fa2 or the reference backend.
+
+    A step that autograd must differentiate (a training forward of <= 8 tokens) runs on the reference backend:
+    FlashInfer's kernels have no backward, and gradients must not silently stop at the attention."""
     device, dtype, heads, rank, rope = q_lat.device, q_lat.dtype, q_lat.shape[1], kv_latent.shape[-1], k_rot.shape[-1]
     config_value = getattr(module.config, "mla_backend", None)
+    grad = _needs_grad(q_lat, kv_latent, k_rot)
 
     def choose() -> str:
         backend = choose_backend(device, dtype, rank, rope, heads, requested_backend(mla_backend, module.config))
+        if grad and backend != "reference":
+            logger.warning_once(
+                f"flashinfer_mla: a decode step ran with autograd recording, so it used the PyTorch reference backend "
+                f"instead of {backend} (FlashInfer's kernels have no backward). For inference, run under "
+                "torch.no_grad() or torch.inference_mode(), as generate() does."
+            )
+            return "reference"
         if backend in ("fa3", "fa2"):
             pitch = cache_rows(kv_latent)[1]
             backend = fa_backend_for_step(plan, backend, device, heads, dtype, rank, rope, pitch, scale)
         return backend
 
-    return plan.state(("backend", device, dtype, rank, rope, heads, mla_backend, config_value), choose)
+    return plan.state(("backend", device, dtype, rank, rope, heads, mla_backend, config_value, grad), choose)
 
 
 def decode_latent(
