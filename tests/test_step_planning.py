@@ -9,13 +9,13 @@ import logging
 import pytest
 import torch
 from conftest import VOCAB, assert_batch_matches_eager_alone, left_padded_batch, make_model, rel_err
-from fake_flashinfer import FakeMLAModule, fake_hopper, make_surface  # noqa: F401  (fixture)
+from fake_flashinfer import FakeMLAModule, fake_hopper  # noqa: F401  (fixture)
 from flashinfer.mla._batch_mla._backends import _fa_common
 from transformers import DynamicCache
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
 from hf_flashinfer_mla import cuda_graphs, flashinfer_fa, metadata
-from hf_flashinfer_mla.flashinfer_fa import PagedRows, rows_from_mask, rows_from_ranges
+from hf_flashinfer_mla.flashinfer_fa import rows_from_mask, rows_from_ranges
 from hf_flashinfer_mla.metadata import KVRanges, StepPlan, host_ranges, step_plan
 
 TOL = 1e-6
