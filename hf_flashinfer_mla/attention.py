@@ -88,7 +88,8 @@ def flashinfer_mla_attention_forward(
                 '"static") for CUDA graphs.'
             )
         dims = (kv_latent.shape[-1], k_rot.shape[-1], weights.num_heads)
-        backend = backend_for_graph(str(query.device), query.dtype, *dims, mla_backend, load_backend(module.config))
+        backend = "reference" if _needs_grad(q_lat, q_pe, kv_latent, k_rot) else backend_for_graph(
+            str(query.device), query.dtype, *dims, mla_backend, load_backend(module.config))
         o_lat = decode_latent_graph(backend, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale)
     else:
         plan = step_plan(attention_mask, module)
@@ -100,17 +101,32 @@ def flashinfer_mla_attention_forward(
 
 
 # ----------------------------------------------------------------------------------------------- decode section
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def step_backend(plan: StepPlan, module: nn.Module, q_lat, kv_latent, k_rot, mla_backend, scale):
     """``(backend, dtype it reads the latent in)`` for this step's layers of this shape: chosen (and for fa3/fa2
     planned) by the first layer, shared by the others. A plan FlashInfer declines moves the step to fa2 or the
     reference backend. An FP8 latent is read in place by fa3 (bf16 queries, 512 + 64); anything else reads it
-    dequantized, after one warning."""
+    dequantized, after one warning.
+
+    A step that autograd must differentiate (a training forward of <= 8 tokens) runs on the reference backend:
+    FlashInfer's kernels have no backward, and gradients must not silently stop at the attention."""
     device, dtype, heads, rank, rope = q_lat.device, q_lat.dtype, q_lat.shape[1], kv_latent.shape[-1], k_rot.shape[-1]
     config_value = load_backend(module.config)
     stored = kv_latent.dtype
+    grad = _needs_grad(q_lat, kv_latent, k_rot)
 
     def choose():
         backend = choose_backend(device, dtype, rank, rope, heads, requested_backend(mla_backend, module.config))
+        if grad and backend != "reference":
+            logger.warning_once(
+                f"flashinfer_mla: a decode step ran with autograd recording, so it used the PyTorch reference backend "
+                f"instead of {backend} (FlashInfer's kernels have no backward). For inference, run under "
+                "torch.no_grad() or torch.inference_mode(), as generate() does."
+            )
+            backend = "reference"
         fp8_in_place = stored == FP8 and backend == "fa3" and dtype == torch.bfloat16
         read = stored if fp8_in_place else dtype
         if backend in ("fa3", "fa2"):
@@ -124,7 +140,7 @@ def step_backend(plan: StepPlan, module: nn.Module, q_lat, kv_latent, k_rot, mla
             )
         return backend, read
 
-    return plan.state(("backend", device, dtype, stored, rank, rope, heads, mla_backend, config_value), choose)
+    return plan.state(("backend", device, dtype, stored, rank, rope, heads, mla_backend, config_value, grad), choose)
 
 
 def decode_latent(

@@ -154,12 +154,16 @@ def _outside_graph_pool(device: torch.device, build):
     which the pool does not see.
     """
 
+    if device.type != "cuda":
+        return build()
+
     def run():
         torch.cuda.set_device(device)
         result = build()
         torch.cuda.synchronize(device)
         return result
 
+    torch.cuda.current_stream(device).synchronize()  # the helper thread reads what this thread's stream wrote
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(run).result()
 
@@ -175,14 +179,13 @@ def fa_decode_graph(
     device = q_lat.device
     key = (device, backend, h, q_lat.dtype, rank, q_pe.shape[-1], scale, b, sq, pitch)
     slot = _slots.get(key)
-    if not torch.cuda.is_current_stream_capturing():
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         # Eager execution (CUDA-graph trees' warm-up before capture, or a compile without CUDA graphs): plan now
         # unless the mask function already planned this slot for the step. Never while capturing: planning a
         # step from its mask may sync, and the mask function plans before every replay.
         plan = plan_of(mask) or StepPlan(mask)
         if slot is None:
             fa.paged_rows(plan, device)  # read on this thread, before the helper thread plans the new slot
-            torch.cuda.current_stream(device).synchronize()
 
             def build():
                 new = GraphSlot(key)

@@ -5,7 +5,8 @@ function registered for ``flashinfer_mla`` (`flashinfer_mla_mask`, registered by
 mask as a dense boolean tensor and attaches a `StepPlan` to it; every layer then reads the plan off the mask it
 receives (`step_plan`). The `StepPlan` is the one carrier of per-step state: the mask, the rows each sequence
 attends to, the backend chosen for the step, and per device the kernel metadata (for FlashInfer: the paged rows
-and the native plan) built by the first layer that needs it. It lives exactly as long as the mask of its step.
+and the native plan) built by the first layer that needs it. It lives as long as the mask of its step (the latest
+plan of a thread is also kept for adoption, see below, until the next step's plan or the end of generate()).
 
 Rows known on the host. Planning FlashInfer needs each sequence's number of valid cached tokens on the host.
 Reading them off the mask costs a device-to-host copy, i.e. a sync that stalls the host until the GPU has caught
@@ -121,7 +122,8 @@ class StepPlan:
         )
 
 
-# The latest plan built in this thread or task: the only plan a plan-less mask copy may adopt.
+# The latest plan built in this thread or task: the only plan a plan-less mask copy may adopt. (A plan built for
+# a copy is referenced by nothing else, and the layers after it must still find it.)
 _latest_plan: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("flashinfer_mla_plan", default=None)
 
 
@@ -178,6 +180,7 @@ def _within_generate(generate):
             return generate(self, *args, **kwargs)
         finally:
             _generate_call.reset(token)
+            _latest_plan.set(None)  # release the last step's buffers
 
     generate_with_fixed_padding._flashinfer_mla_generate = True
     return generate_with_fixed_padding

@@ -9,13 +9,13 @@ import logging
 import pytest
 import torch
 from conftest import VOCAB, assert_batch_matches_eager_alone, left_padded_batch, make_model, rel_err
-from fake_flashinfer import FakeMLAModule, fake_hopper, make_surface  # noqa: F401  (fixture)
+from fake_flashinfer import FakeMLAModule, fake_hopper  # noqa: F401  (fixture)
 from flashinfer.mla._batch_mla._backends import _fa_common
 from transformers import DynamicCache
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
 from hf_flashinfer_mla import cuda_graphs, flashinfer_fa, metadata
-from hf_flashinfer_mla.flashinfer_fa import PagedRows, rows_from_mask, rows_from_ranges
+from hf_flashinfer_mla.flashinfer_fa import rows_from_mask, rows_from_ranges
 from hf_flashinfer_mla.metadata import KVRanges, StepPlan, host_ranges, step_plan
 
 TOL = 1e-6
@@ -183,7 +183,8 @@ def test_user_loop_plans_from_the_mask_and_matches(fake_hopper, monkeypatch):
     from_mask = _spy(monkeypatch, flashinfer_fa, "rows_from_mask")
     ids, mask, prompts = left_padded_batch()
     forced = torch.randint(1, VOCAB, (3, 4), generator=torch.Generator().manual_seed(2))
-    ours = decode_logits(model, ids, mask, cache=DynamicCache(config=model.config), forced=forced)
+    with torch.no_grad():
+        ours = decode_logits(model, ids, mask, cache=DynamicCache(config=model.config), forced=forced)
     assert len(from_mask) == 4 and len(fake_hopper.modules["fa3"].plans) == 4
     model.set_attn_implementation("eager")
     for i, p in enumerate(prompts):
@@ -203,6 +204,7 @@ def test_prompt_lookup_decoding_multi_token_causal_plans(fake_hopper):
     assert torch.equal(ours, model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False))
 
 
+@torch.no_grad()
 def _chunked_logits(model, prompt, forced, chunk, **kwargs):
     cache = DynamicCache(config=model.config)
     out = model(input_ids=prompt, cache=cache, use_cache=True)
@@ -240,6 +242,25 @@ def test_refused_causal_plan_falls_back_with_one_warning(fake_hopper, monkeypatc
         assert fake_hopper.modules["fa2"].runs == 2
     model.set_attn_implementation("eager")
     assert rel_err(ours, _chunked_logits(model, prompt, forced, 8)) < TOL
+
+
+def test_decode_with_gradients_takes_the_differentiable_path(fake_hopper, caplog):
+    """A training forward of a few tokens over a cache (the absorbed path) must not run FlashInfer's kernels, which
+    have no backward: the step takes the reference backend and kv_b_proj gets the gradient eager gives it."""
+    grads = {}
+    for attn in ("flashinfer_mla", "eager"):
+        model = make_model("deepseek_v3", num_hidden_layers=1, first_k_dense_replace=1)
+        model.set_attn_implementation(attn)
+        prompt = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            cache = model(input_ids=prompt[:, :9], cache=DynamicCache(config=model.config), use_cache=True).cache
+        with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+            loss = model(input_ids=prompt[:, 9:], cache=cache, use_cache=True).logits.square().sum()
+        loss.backward()
+        grads[attn] = model.model.layers[0].self_attn.kv_b_proj.weight.grad
+    assert "fa3" not in fake_hopper.modules or fake_hopper.modules["fa3"].runs == 0
+    assert sum("autograd recording" in r.getMessage() for r in caplog.records) == 1
+    assert grads["flashinfer_mla"] is not None and rel_err(grads["flashinfer_mla"], grads["eager"]) < TOL
 
 
 def test_other_flashinfer_releases_use_the_public_wrapper(fake_hopper, monkeypatch):
@@ -357,6 +378,7 @@ def test_copied_masks_plan_once_per_device_per_step(fake_hopper, monkeypatch, fi
     assert_batch_matches_eager_alone(model, out, prompts, 4, TOL)
 
 
+@torch.no_grad()
 def test_user_4d_masks_get_fresh_plans_every_step(fake_hopper):
     """A user's own 4D mask reaches the layers without a plan, step after step, with the same shape (a static
     cache): each step gets its own plan (adopting the previous step's, of the same shape, would attend one token
@@ -383,6 +405,7 @@ def test_user_4d_masks_get_fresh_plans_every_step(fake_hopper):
                         use_cache=True)
             logits.append(out.logits)
         runs[kind] = torch.cat(logits, 1)
+    assert len(fake_hopper.modules["fa3"].plans) == 2 * forced.shape[1]  # one per step, on fa3
     assert rel_err(runs["4d"], runs["2d"]) < TOL
 
 
