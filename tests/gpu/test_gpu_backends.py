@@ -268,6 +268,7 @@ def _decode_in_chunks(model, cache, q_len, steps=12, **kwargs):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
     logits = []
+    steps = min(steps, forced.shape[1] // q_len)  # as many whole chunks as the forced tokens hold
     for t in range(0, q_len * steps, q_len):
         mask = torch.cat([mask, torch.ones_like(mask[:, :q_len])], -1)
         pos = pos[:, -1:] + 1 + torch.arange(q_len, device=DEV)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_backends import DEV, KERNEL_TOL, SHAPES, _available, _compare, _model, _teacher_forced, rel
+from test_gpu_backends import (DEV, KERNEL_TOL, LOGIT_TOL, SHAPES, TOP1_MIN, _available, _compare, _model,
+                               _teacher_forced, rel)
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla import attention
@@ -20,10 +21,11 @@ from hf_flashinfer_mla.metadata import StepPlan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# FP8 e4m3 keeps 3 mantissa bits: ~2-3% relative error per cached value. Chosen against the control below (the
-# measured numbers are printed): a correct FP8 cache stays well inside, a 2x scale error lands well outside.
-FP8_LOGIT_TOL = 1e-1
-FP8_TOP1_MIN = 0.85
+# FP8 e4m3 keeps 3 mantissa bits: ~4% relative error per cached value, which these random-weight models (near-tied
+# logits) amplify. Measured on an H200 (2026-11-30), FP8 vs bf16 cache: V2-Lite rel 9.4e-2 / top-1 0.85, V3 shape
+# rel 1.75e-1 / top-1 0.65; the 2x-scale control: rel 0.52-0.53 / top-1 0.22-0.25. The bound sits between the two.
+FP8_LOGIT_TOL = 3e-1
+FP8_TOP1_MIN = 0.5
 
 
 @pytest.mark.parametrize("heads", [16, 128])
@@ -60,6 +62,10 @@ def test_fp8_cache_64_steps_against_bf16_cache_with_control(shape, monkeypatch):
     ours = _teacher_forced(model, fp8_cache)
     assert fp8_cache.layers[0].keys.dtype == FP8
     err, top1 = _compare(ours, bf16)
+    # fa3 reading the FP8 rows in place against the reference backend over the same quantized values: only the
+    # arithmetic differs, so the bf16 bounds of the other GPU tests apply.
+    ref = _compare(_teacher_forced(model, hf_flashinfer_mla.MLALatentCache(config=model.config, dtype=FP8),
+                                   mla_backend="reference"), ours)
     calls = []
     real = attention.latent_scales
 
@@ -75,6 +81,8 @@ def test_fp8_cache_64_steps_against_bf16_cache_with_control(shape, monkeypatch):
     print(f"{shape} FP8 cache vs bf16 cache: rel {err:.2e} top1 {top1:.3f}; control (2x scale): rel {wrong[0]:.2e} "
           f"top1 {wrong[1]:.3f}; scales {scales}")
     assert torch.isfinite(ours).all()
+    print(f"{shape} FP8 cache, fa3 vs reference over the same FP8 values: rel {ref[0]:.2e} top1 {ref[1]:.3f}")
+    assert ref[0] < LOGIT_TOL and ref[1] >= TOP1_MIN
     assert err < FP8_LOGIT_TOL and top1 >= FP8_TOP1_MIN
     assert wrong[0] >= FP8_LOGIT_TOL or wrong[1] < FP8_TOP1_MIN
     del model
