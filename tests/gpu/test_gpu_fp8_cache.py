@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_backends import (DEV, KERNEL_TOL, LOGIT_TOL, SHAPES, TOP1_MIN, _available, _compare, _model,
-                               _teacher_forced, rel)
+from test_gpu_backends import DEV, KERNEL_TOL, SHAPES, _available, _compare, _model, _teacher_forced, rel
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla import attention
@@ -62,10 +61,6 @@ def test_fp8_cache_64_steps_against_bf16_cache_with_control(shape, monkeypatch):
     ours = _teacher_forced(model, fp8_cache)
     assert fp8_cache.layers[0].keys.dtype == FP8
     err, top1 = _compare(ours, bf16)
-    # fa3 reading the FP8 rows in place against the reference backend over the same quantized values: only the
-    # arithmetic differs, so the bf16 bounds of the other GPU tests apply.
-    ref = _compare(_teacher_forced(model, hf_flashinfer_mla.MLALatentCache(config=model.config, dtype=FP8),
-                                   mla_backend="reference"), ours)
     calls = []
     real = attention.latent_scales
 
@@ -81,8 +76,6 @@ def test_fp8_cache_64_steps_against_bf16_cache_with_control(shape, monkeypatch):
     print(f"{shape} FP8 cache vs bf16 cache: rel {err:.2e} top1 {top1:.3f}; control (2x scale): rel {wrong[0]:.2e} "
           f"top1 {wrong[1]:.3f}; scales {scales}")
     assert torch.isfinite(ours).all()
-    print(f"{shape} FP8 cache, fa3 vs reference over the same FP8 values: rel {ref[0]:.2e} top1 {ref[1]:.3f}")
-    assert ref[0] < LOGIT_TOL and ref[1] >= TOP1_MIN
     assert err < FP8_LOGIT_TOL and top1 >= FP8_TOP1_MIN
     assert wrong[0] >= FP8_LOGIT_TOL or wrong[1] < FP8_TOP1_MIN
     del model

@@ -79,17 +79,25 @@ def runs():
             for k, v in names.items()}
 
 
-def _bounds():
+def _bounds(one, two, oracle):
+    """The bound for flashinfer_mla at TP=2 against `oracle` at TP=1: the single-GPU bounds of the other GPU tests,
+    widened by Transformers' own TP noise (eager TP=2 against eager TP=1, measured in the same run). bf16 reductions
+    in another order over 27 random-weight layers move the logits that much with any attention (measured on two
+    H200s, 2026-11-30: eager's own TP noise on V2-Lite rel 7.0e-2, top-1 0.824), and against `eager` the single-GPU
+    difference between the two implementations adds to it."""
     from test_gpu_backends import LOGIT_TOL, TOP1_MIN
 
-    return LOGIT_TOL, TOP1_MIN
+    floor = tp_parity.compare(one, two, "eager", "eager")
+    tp_rel, tp_top1 = 1.25 * floor["rel_err"], floor["top1"] - 0.05
+    if oracle == "flashinfer_mla":  # the same implementation on one GPU: only the TP noise separates them
+        return max(LOGIT_TOL, tp_rel), min(TOP1_MIN, tp_top1)
+    return LOGIT_TOL + tp_rel, min(TOP1_MIN, floor["top1"]) - 0.05
 
 
 @pytest.mark.parametrize("name", list(EXPECT))
 def test_tp2_matches_one_gpu(runs, name):
     if name not in runs:
         pytest.skip("this transformers has no DistributedConfig(tp_plan={...}) to add the attention plan with")
-    logit_tol, top1_min = _bounds()
     one, two = runs[name]
     meta = two["meta"]
     heads, sharded = EXPECT[name]
@@ -108,7 +116,8 @@ def test_tp2_matches_one_gpu(runs, name):
         r = tp_parity.compare(one, two, "flashinfer_mla", oracle)
         print(f"  flashinfer_mla TP=2 vs {oracle} TP=1: rel {r['rel_err']:.2e} top1 {r['top1']:.3f} "
               f"greedy {r['greedy']}")
-        assert r["rel_err"] < logit_tol and r["top1"] >= top1_min, r
+        logit_tol, top1_min = _bounds(one, two, oracle)
+        assert r["rel_err"] < logit_tol and r["top1"] >= top1_min, (r, logit_tol, top1_min)
         for g in r["greedy"]:
             assert g["first_diff"] is None or g["near_tie"], r["greedy"]
 
@@ -117,8 +126,8 @@ def test_tp2_matches_one_gpu(runs, name):
 def test_control_misaligned_heads_fail_the_bounds(runs, name):
     if name not in runs:
         pytest.skip("this transformers has no DistributedConfig(tp_plan={...}) to add the attention plan with")
-    logit_tol, top1_min = _bounds()
     one, two = runs[name]
+    logit_tol, top1_min = _bounds(one, two, "flashinfer_mla")
     assert two["meta"]["runs"]["flashinfer_mla:roll-heads"]["probe"]["faulted"] > 0
     r = tp_parity.compare(one, two, "flashinfer_mla:roll-heads", "flashinfer_mla")
     print(f"\n{name} control (query heads rolled on every rank): rel {r['rel_err']:.2e} top1 {r['top1']:.3f}")
