@@ -34,6 +34,9 @@ from hf_flashinfer_mla.attention import decode_latent  # noqa: E402
 from hf_flashinfer_mla.cache import FP8  # noqa: E402
 from hf_flashinfer_mla.metadata import StepPlan  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import is_oom  # noqa: E402
+
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 CHUNK = 8192
@@ -125,10 +128,6 @@ def step_ms(model, batch: int, context: int, dtype, steps: int) -> float:
         del cache
         gc.collect()
         torch.cuda.empty_cache()
-
-
-def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
 
 
 def main(argv=None) -> int:
