@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -203,7 +204,9 @@ class GeneratedFa:
 
     The schedule a plan writes lives in an integer workspace owned by its caller: one per step (`FaStep`, from
     PyTorch's caching allocator, so concurrent generate() calls in several threads never share one) or one per
-    CUDA-graph slot (fixed address)."""
+    CUDA-graph slot (fixed address). The native planner first writes it to a pinned host scratch, which FlashInfer
+    copies to fresh staging memory before returning: one scratch per module, allocated on first use and reused by
+    every plan under a lock (allocating 8 MiB of pinned memory per plan cost milliseconds of host time)."""
 
     def __init__(self, device, backend, num_heads, dtype, rank, rope, kv_dtype=None):
         surface = generated_surface()
@@ -211,6 +214,8 @@ class GeneratedFa:
         self.kv_dtype = kv_dtype or dtype  # float8_e4m3fn: the FP8 latent cache, read in place with its scales
         self.rank = rank
         self.float_workspace = workspace_buffer(device)
+        self._scratch: torch.Tensor | None = None
+        self._scratch_lock = threading.Lock()
         self.refused = self._static_refusal(rope)
         self.module = None if self.refused else surface.get_module(
             backend, dtype, self.kv_dtype, dtype, torch.int32, rank, rope, False)
@@ -246,13 +251,14 @@ class GeneratedFa:
                                            self.backend, self.kv_dtype)
         except self.surface.refused as exc:
             raise PlanRefused(str(exc)) from None
-        # The native planner writes the schedule into pinned scratch, which FlashInfer copies to fresh staging
-        # memory before the copy to the GPU: the scratch is free again when plan returns.
-        scratch = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        plan_info, _ = self.module.plan_with_staged_workspace_bytes(
-            self.float_workspace, int_workspace, scratch, rows.qo_indptr, rows.kv_indptr, rows.kv_len,
-            self.num_heads, self.rank, causal,
-        )
+        with self._scratch_lock:  # the scratch is free again when plan returns (FlashInfer staged its bytes)
+            if self._scratch is None:
+                self._scratch = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                            pin_memory=self.device.type == "cuda")
+            plan_info, _ = self.module.plan_with_staged_workspace_bytes(
+                self.float_workspace, int_workspace, self._scratch, rows.qo_indptr, rows.kv_indptr, rows.kv_len,
+                self.num_heads, self.rank, causal,
+            )
         return plan_info
 
     def run(self, plan_info, int_workspace, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float,

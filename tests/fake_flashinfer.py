@@ -38,7 +38,8 @@ class FakeMLAModule:
         assert torch.equal(kv_indptr[1:] - kv_indptr[:-1], kv_len)  # page size 1: one page per token
         plan_id = len(self.plans)
         self.plans.append(dict(qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), kv_len=kv_len.clone(),
-                               num_heads=num_heads, head_dim_o=head_dim_o, causal=causal))
+                               num_heads=num_heads, head_dim_o=head_dim_o, causal=causal,
+                               scratch=scratch))  # kept alive: a scratch allocated per plan gets a new address
         staged = torch.cat([torch.tensor([b, plan_id], dtype=torch.int32), qo_indptr, kv_indptr, kv_len])
         int_ws.view(torch.int32)[: staged.numel()].copy_(staged, non_blocking=True)
         q_tokens = int(qo_indptr[-1]) // max(b, 1)

@@ -81,6 +81,20 @@ def test_host_ranged_planning_never_reads_the_device(fake_hopper):
     assert planned["kv_len"].tolist() == [40, 35, 1] and planned["causal"] is False
 
 
+def test_plans_reuse_one_host_scratch_per_module(fake_hopper):
+    """The native planner's 8 MiB host scratch is allocated once per module, not per plan (allocating pinned
+    memory per step cost milliseconds of host time on the H200), and every plan gets all of it."""
+    meta = torch.device("meta")
+    for end in (40, 41, 42):
+        plan = StepPlan(torch.ones(2, 1, 1, end, dtype=torch.bool, device=meta))
+        plan.ranges = KVRanges(torch.tensor([0, 3]), end)
+        assert flashinfer_fa.FaStep(plan, meta, "fa3", 4, torch.float64, 32, 8, pitch=64, scale=0.1).refused is None
+    plans = fake_hopper.modules["fa3"].plans
+    assert [p["kv_len"].tolist() for p in plans] == [[40, 37], [41, 38], [42, 39]]
+    assert len({p["scratch"].data_ptr() for p in plans}) == 1
+    assert plans[0]["scratch"].numel() == flashinfer_fa.INT_WORKSPACE_BYTES
+
+
 # ------------------------------------------------------------------------------------------ host_ranges
 def _mask2d(rows):
     return torch.tensor(rows, dtype=torch.bool)
