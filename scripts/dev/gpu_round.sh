@@ -17,18 +17,14 @@ run 75 kernel.txt bench_kernel.py --heads 16 128 --batch 128 --context 4096 --pl
 # 2. The issue-11 grid in eager mode: V3 attention shape, 4 layers, B x ctx, eager / sdpa / flashinfer_mla.
 run 190 grid_eager.txt bench_decode.py --model deepseek-v3-attn --batch 32 1 8 128 --context 4096 1024 16384 32768 \
     --steps 6 --warmup 2 --time-limit 160 --out "$O"
-# 3. CUDA graphs: the target cell as generate() compiles it (inductor), then the grid with the cudagraphs backend
-#    (same graphs, no code generation: fast enough to compile per cell).
+# 3. CUDA graphs: the target cell as generate() compiles it (inductor, reduce-overhead; ~1 minute per cell to compile).
 run 100 graphs_target.txt bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa eager \
     --steps 10 --time-limit 75 --out "$O" --name decode_graphs_target.json
-run 80 graphs_grid.txt bench_decode.py --graphs --compile-backend cudagraphs --batch 32 1 8 128 \
-    --context 4096 1024 16384 32768 --attn flashinfer_mla sdpa --steps 6 --time-limit 55 --out "$O" \
-    --name decode_graphs_grid.json
 # 4. DeepSeek-V2-Lite, full depth, generate() from a 512-token prompt, 128 new tokens, batch 1.
 run 100 generate.txt bench_generate.py --model deepseek-v2-lite --prompt 512 --new 128 --batch 1 --out "$O"
 # 5. Host time per step and per layer (V3 shape, 4 layers, B=32, 4k), with profiler tables.
 run 45 host.txt bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 --out "$O"
 
-for f in versions kernel grid_eager graphs_target graphs_grid generate host; do
+for f in versions kernel grid_eager graphs_target generate host; do
     echo "== $f"; grep -v "^  " "$O/$f.txt" | tail -25
 done

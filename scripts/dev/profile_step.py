@@ -30,7 +30,7 @@ def main() -> int:
     p.add_argument("--model", default="deepseek-v3-attn")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=45)
-    p.add_argument("--graphs", action="store_true", help="StaticCache + torch.compile(backend='cudagraphs')")
+    p.add_argument("--graphs", action="store_true", help="StaticCache + torch.compile(mode='reduce-overhead')")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
     p.add_argument("--out", default=None)
@@ -51,7 +51,7 @@ def main() -> int:
             forward = None
             if args.graphs:
                 torch._dynamo.reset()
-                forward = torch.compile(model.__call__, backend="cudagraphs")
+                forward = torch.compile(model.__call__, mode="reduce-overhead")
             timed = bc.decode_steps(model, cache, batch, context, 4, args.steps, forward=forward)
             prof = cProfile.Profile()
             prof.enable()
