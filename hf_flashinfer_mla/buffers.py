@@ -1,6 +1,6 @@
 """Device-owned buffers the FlashInfer kernels need, one set per device, allocated on first use.
 
-Both live for the whole process: kernels write scratch into them on every call and a captured CUDA graph keeps
+All three live for the whole process: kernels write scratch into them on every call and a captured CUDA graph keeps
 their addresses, so they are never freed or replaced except to grow. Keeping one per device matters when a model
 is split across GPUs: a kernel must never be handed another device's memory.
 """
@@ -14,6 +14,7 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 
 _workspaces: dict[torch.device, torch.Tensor] = {}
 _counters: dict[torch.device, torch.Tensor] = {}
+_identities: dict[torch.device, torch.Tensor] = {}
 
 
 def _key(device: torch.device | str) -> torch.device:
@@ -46,4 +47,18 @@ def multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device | str) -> 
     if buf is None or buf.numel() < min_bytes:
         buf = torch.zeros(max(int(min_bytes), 1), dtype=torch.uint8, device=device)
         _counters[device] = buf
+    return buf
+
+
+def identity_rows(device: torch.device | str, rows: int) -> torch.Tensor:
+    """``arange`` (int32, at least `rows` long) on `device`: the page indices of a cache whose rows the fa2/fa3
+    kernels address in place (``flashinfer_fa.PagedRows.addressing``), so that no step builds indices of its own.
+
+    It grows in whole MiB when a larger cache asks. A step holds the tensor it planned with, so replacing it never
+    frees indices a queued kernel still reads."""
+    device = _key(device)
+    buf = _identities.get(device)
+    if buf is None or buf.numel() < rows:
+        size = -(-max(int(rows), 1) // 2**18) * 2**18  # 2**18 int32 indices = 1 MiB
+        buf = _identities[device] = torch.arange(size, dtype=torch.int32, device=device)
     return buf

@@ -1,14 +1,15 @@
 """fa3/fa2 decode inside CUDA graphs (torch.compile, as ``generate(..., cache_implementation="static")`` does).
 
-A replayed graph relaunches the kernels without running any Python, so the kernel must find each step's metadata
-in buffers whose addresses never change. A `GraphSlot` holds them for one decode shape (device, backend, heads,
-dtype, dims, scale, batch, query length, cache pitch): the page indices, and FlashInfer's integer workspace with
-the schedule. The attention runs through the custom op `fa_decode_graph`, which dynamo and inductor treat as
-opaque. With a static cache Transformers builds the mask in ``prepare_inputs_for_generation``, outside the
-compiled region, and the mask function re-plans every matching slot there (`plan_graph_slots`) before the replay.
-Inside ``generate()`` that planning needs no device sync (the rows are known on the host, ``metadata.py``), and
-the schedule and indices reach the slot's buffers by copies and kernels ordered after the previous replay on the
-stream, so a loop that does not wait for each step's tokens plans step t+1 while the GPU still replays step t.
+A replayed graph relaunches the kernels without running any Python, so the kernel must find each step's metadata in
+buffers whose addresses never change. A `GraphSlot` holds them for one decode shape (device, backend, heads, dtype,
+dims, scale, batch, query length, cache pitch): the page indices (the identity, for the rows of every mask
+Transformers builds), and FlashInfer's integer workspace with the schedule. The attention runs through the custom
+op `fa_decode_graph`, which dynamo and inductor treat as opaque. With a static cache Transformers builds the mask
+in ``prepare_inputs_for_generation``, outside the compiled region, and the mask function re-plans every matching
+slot there (`plan_graph_slots`) before the replay. Inside ``generate()`` that planning needs no device sync (the
+rows are known on the host, ``metadata.py``), and the schedule reaches the slot's buffers by a copy ordered after
+the previous replay on the stream, so a loop that does not wait for each step's tokens plans step t+1 while the GPU
+still replays step t.
 (``generate()`` itself reads every step's tokens for its stopping criteria, so there the plan's host time,
 about 0.2 ms per step on an H200 host, adds to the step.)
 
@@ -41,7 +42,10 @@ class GraphSlot:
         device, backend, num_heads, dtype, rank, rope, scale, batch, q_len, pitch = key
         self.key, self.device, self.pitch, self.causal, self.scale = key, device, pitch, q_len > 1, scale
         self.dims = (num_heads, dtype, rank, rope)
-        self.kv_indices = torch.zeros(batch * pitch, dtype=torch.int32, device=device)
+        # The generated module addresses single-run rows through the identity (`PagedRows.addressing`): then only
+        # the schedule changes per step. The public wrapper (and rows with holes) get explicit indices copied here.
+        self.kv_indices = torch.arange(batch * pitch, dtype=torch.int32, device=device)
+        self.identity = True
         self.plan_info = None
         if fa.uses_generated_module():
             self.engine, self.wrapper = fa.generated_fa(device, backend, num_heads, dtype, rank, rope), None
@@ -58,23 +62,35 @@ class GraphSlot:
             )
 
     def plan(self, rows: fa.PagedRows) -> None:
-        """Write this step's schedule and indices into the slot's buffers (stream-ordered, no sync of its own)."""
-        indices = rows.kv_indices(self.pitch, self.device)
+        """Write this step's schedule (and indices, where they are not the identity) into the slot's buffers
+        (stream-ordered, no sync of its own)."""
         try:
             if self.engine is None:
+                indices = rows.kv_indices(self.pitch, self.device)
                 fa.wrapper_plan(self.wrapper, rows, indices, self.causal, self.scale, *self.dims)
+                self._set_indices(indices)
                 return
-            plan_info = self.engine.plan(rows, self.causal, self.int_workspace)
+            kv_indptr, indices = rows.addressing(self.pitch, self.device)
+            plan_info = self.engine.plan(rows, kv_indptr, self.causal, self.int_workspace)
         except fa.PlanRefused as exc:
             # `plan_always_accepted` admitted this shape; a refusal means FlashInfer changed its rules.
             raise RuntimeError(f"FlashInfer refused a CUDA-graph decode plan it was expected to accept: {exc}. "
                                "Run without CUDA graphs (generate(..., disable_compile=True)).") from None
-        self.kv_indices[: indices.numel()].copy_(indices)
+        self._set_indices(None if rows.first is not None else indices)
         if self.plan_info is None:
             self.plan_info = plan_info
         elif list(plan_info) != list(self.plan_info):
             # The captured launch holds the schedule's offsets and grid, fixed for a fixed batch and query shape.
             raise RuntimeError("FlashInfer's MLA schedule layout changed between steps of one CUDA-graph shape")
+
+    def _set_indices(self, indices: torch.Tensor | None) -> None:
+        """Explicit page indices into the fixed buffer, or (None) the identity back where explicit ones were."""
+        if indices is not None:
+            self.kv_indices[: indices.numel()].copy_(indices)
+            self.identity = False
+        elif not self.identity:
+            self.kv_indices.copy_(torch.arange(self.kv_indices.numel(), dtype=torch.int32, device=self.device))
+            self.identity = True
 
     def run(self, q_nope, q_rope, ckv, kpe) -> torch.Tensor:
         if self.engine is None:

@@ -2,21 +2,23 @@
 
 The kernel reads the cache through a page table. With a page size of 1 the "pages" are the cache's own rows, so
 any layout Transformers keeps (DynamicCache, StaticCache with its unfilled tail, this package's `MLALatentCache`)
-is read in place: row ``b * pitch + j`` is token ``j`` of sequence ``b``, and only the positions the step attends
-to are listed, which is how left padding and the static cache's unfilled tail are skipped. Nothing is copied.
+is read in place: row ``b * pitch + j`` is token ``j`` of sequence ``b``, and each sequence's page list starts at
+its first visible row, which is how left padding and the static cache's unfilled tail are skipped. Nothing is
+copied, and where every sequence sees one run of rows (every mask Transformers builds) the page table is a fixed
+identity whose offsets go into the plan: no step builds indices (`PagedRows.addressing`).
 
 Planning happens once per step and device, at the first layer, and is kept in the step's `StepPlan`
 (`fa_step`): the per-row lengths on the host (`PagedRows`: from the step's host-known ranges without any device
-sync, or read off the mask with one), the kernel's work schedule, and per cache pitch the page indices.
+sync, or read off the mask with one) and the kernel's work schedule.
 
 FlashInfer's public ``BatchMLAPagedAttentionWrapper.plan`` costs about 1.6 ms per step on 0.7.4: Python contract
 checks, a new backend object with fresh 8 MiB workspaces per plan, and ``aminmax(kv_indices).item()``, a device
 sync. For the FlashInfer releases in `TESTED_FLASHINFER` this module instead calls the generated module directly,
 as SGLang's ``fast_mla_decode_plan`` does (`GeneratedFa`): FlashInfer's own host-side validators first (the
 work-item capacity and the causal tile bound: a refused plan is reported, never launched), then
-``plan_with_staged_workspace_bytes`` on host arrays (its scheduler stages the work list to the GPU
+its native ``plan`` on host arrays (the scheduler writes the work list to a pinned scratch, copied to the GPU
 asynchronously) and ``run`` with the indices on the GPU. That surface is private, so any other release takes the
-public wrapper (`WrapperFa`), as does ``HF_FLASHINFER_MLA_FA_PLANNER=wrapper``.
+public wrapper (`wrapper_plan`), as does ``HF_FLASHINFER_MLA_FA_PLANNER=wrapper``.
 
 A plan FlashInfer refuses (causal steps of 2-8 query tokens at head counts that do not divide its query tile)
 runs the step on fa2 if fa2 accepts it, else on the reference backend, after one warning (`fa_backend_for_step`).
@@ -35,12 +37,12 @@ from types import SimpleNamespace
 import torch
 import transformers.utils.logging  # noqa: F401  (gives logging.Logger its warning_once)
 
-from .buffers import workspace_buffer
+from .buffers import identity_rows, workspace_buffer
 from .dispatch import unavailable_reason
 
 logger = logging.getLogger("hf_flashinfer_mla")
 
-# FlashInfer releases whose generated-module surface (get_batch_mla_module, plan_with_staged_workspace_bytes, run,
+# FlashInfer releases whose generated-module surface (get_batch_mla_module, the native module's plan and run,
 # _validate_generated_fa_plan, _validate_fa_plan_workload) was read and is called directly. Identical in both.
 TESTED_FLASHINFER = ("0.7.2.post1", "0.7.4")
 PLANNER_ENV = "HF_FLASHINFER_MLA_FA_PLANNER"  # "wrapper": always use FlashInfer's public wrapper
@@ -97,11 +99,11 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 @dataclass
 class PagedRows:
-    """Which cache rows each sequence attends to. The planner reads the three host arrays; the kernel reads
-    `kv_indices`, built on the device per cache pitch."""
+    """Which cache rows each sequence attends to. The planner reads host arrays; the kernel reads page indices on
+    the device (`addressing`)."""
 
     qo_indptr: torch.Tensor  # [B + 1] int32, host
-    kv_indptr: torch.Tensor  # [B + 1] int32, host
+    kv_indptr: torch.Tensor  # [B + 1] int32, host: the compact CSR offsets of `kv_indices`
     kv_len: torch.Tensor  # [B] int32, host
     first: torch.Tensor | None  # [B] int64, host: each row is the single run [first, first + len)
     positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, position) on the device, when not runs
@@ -110,20 +112,43 @@ class PagedRows:
     def total(self) -> int:
         return int(self.kv_indptr[-1])
 
+    def addressing(self, pitch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv_indptr [B + 1] int32 on the host, kv_indices int32 on `device`)`` for FlashInfer's generated module.
+
+        Its kernels read sequence ``b``'s pages at ``kv_indices[kv_indptr[b] + j]`` for ``j < kv_len[b]`` (the
+        plan copies ``kv_indptr[b]`` per work item; ``scheduler.cuh`` ``MLAPlan``, ``mla_hopper.cuh``/``mla.cuh``),
+        so the offsets need not be compact. Rows that are single runs point straight into the identity
+        (``kv_indptr[b] = b * pitch + first[b]`` over ``kv_indices = arange``): nothing is built per step. Other
+        rows get compact CSR offsets and their explicit indices."""
+        if self.first is None:
+            return self.kv_indptr, self.kv_indices(pitch, device)
+        batch = self.kv_len.numel()
+        _check_int32(batch * pitch, batch, pitch)
+        kv_indptr = torch.empty(batch + 1, dtype=torch.int32)
+        kv_indptr[:-1] = torch.arange(batch, dtype=torch.long) * pitch + self.first
+        kv_indptr[-1] = batch * pitch
+        return kv_indptr, identity_rows(device, batch * pitch)
+
     def kv_indices(self, pitch: int, device: torch.device) -> torch.Tensor:
-        """``[total]`` int32 row indices on `device` (device arithmetic on a copy of ``B`` host values: no sync)."""
+        """``[total]`` int32 row indices on `device`, in the compact CSR order of `kv_indptr` (device arithmetic on
+        a copy of ``B`` host values: no sync). FlashInfer's public wrapper takes these."""
         if self.first is None:
             row, pos = self.positions
             return (row * pitch + pos).to(torch.int32)
         batch = self.kv_len.numel()
         starts = torch.arange(batch, dtype=torch.long) * pitch + self.first
-        if batch and int((starts + self.kv_len).max()) >= 2**31:
-            raise ValueError(f"a cache of {batch} x {pitch} rows exceeds FlashInfer's int32 page indices")
+        if batch:
+            _check_int32(int((starts + self.kv_len).max()), batch, pitch)
         host = torch.stack([starts - self.kv_indptr[:-1], self.kv_len.long()]).to(torch.int32)
         offsets, lens = _to_device(host, device)
         total = self.total
         steps = torch.arange(total, dtype=torch.int32, device=device)
         return steps + torch.repeat_interleave(offsets, lens, output_size=total)
+
+
+def _check_int32(rows: int, batch: int, pitch: int) -> None:
+    if rows >= 2**31:
+        raise ValueError(f"a cache of {batch} x {pitch} rows exceeds FlashInfer's int32 page indices")
 
 
 def _csr(lens: torch.Tensor, q_len: int):
@@ -188,6 +213,7 @@ def generated_surface() -> SimpleNamespace | None:
 
     return SimpleNamespace(
         get_module=_fa_common.get_batch_mla_module,
+        native=lambda module: module._module,  # the compiled module under FlashInfer's _BatchMLAModuleProxy
         validate_static=_fa_common._validate_generated_fa_plan,
         validate_workload=_fa_common._validate_fa_plan_workload,
         refused=_capabilities._BackendPlanUnsupportedError,
@@ -204,9 +230,13 @@ class GeneratedFa:
 
     The schedule a plan writes lives in an integer workspace owned by its caller: one per step (`FaStep`, from
     PyTorch's caching allocator, so concurrent generate() calls in several threads never share one) or one per
-    CUDA-graph slot (fixed address). The native planner first writes it to a pinned host scratch, which FlashInfer
-    copies to fresh staging memory before returning: one scratch per module, allocated on first use and reused by
-    every plan under a lock (allocating 8 MiB of pinned memory per plan cost milliseconds of host time)."""
+    CUDA-graph slot (fixed address). The native planner writes it to a pinned host scratch, from which it is copied
+    to the GPU asynchronously. FlashInfer's own proxy (``plan_with_staged_workspace_bytes``) first copies it into
+    fresh pinned memory, on the host, so that the scratch is free when plan returns; this class instead keeps two
+    scratches per module, used in turn, and plans into one only after the GPU has finished reading its previous
+    schedule (an event per scratch, always complete in a loop that waits for each step's tokens, as generate()
+    does; the host waits for it otherwise). That saves a copy of ~590 KB per plan on the host, and allocating them
+    once saves milliseconds (pinned memory is slow to allocate)."""
 
     def __init__(self, device, backend, num_heads, dtype, rank, rope, kv_dtype=None):
         surface = generated_surface()
@@ -214,7 +244,8 @@ class GeneratedFa:
         self.kv_dtype = kv_dtype or dtype  # float8_e4m3fn: the FP8 latent cache, read in place with its scales
         self.rank = rank
         self.float_workspace = workspace_buffer(device)
-        self._scratch: torch.Tensor | None = None
+        self._scratches: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # (scratch, its last copy)
+        self._turn = 0
         self._scratch_lock = threading.Lock()
         self.refused = self._static_refusal(rope)
         self.module = None if self.refused else surface.get_module(
@@ -241,9 +272,10 @@ class GeneratedFa:
     def new_workspace(self) -> torch.Tensor:
         return torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
 
-    def plan(self, rows: PagedRows, causal: bool, int_workspace: torch.Tensor):
-        """FlashInfer's workload validation, then its native scheduler on the host arrays; the schedule goes to
-        `int_workspace` by an asynchronous copy. Returns the plan info the kernel launch needs."""
+    def plan(self, rows: PagedRows, kv_indptr: torch.Tensor, causal: bool, int_workspace: torch.Tensor):
+        """FlashInfer's workload validation, then its native scheduler on the host arrays (`kv_indptr`: the page
+        offsets of `PagedRows.addressing`); the schedule goes to `int_workspace` by an asynchronous copy. Returns
+        the plan info the kernel launch needs."""
         if self.refused:
             raise PlanRefused(self.refused)
         try:
@@ -251,15 +283,34 @@ class GeneratedFa:
                                            self.backend, self.kv_dtype)
         except self.surface.refused as exc:
             raise PlanRefused(str(exc)) from None
-        with self._scratch_lock:  # the scratch is free again when plan returns (FlashInfer staged its bytes)
-            if self._scratch is None:
-                self._scratch = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
-                                            pin_memory=self.device.type == "cuda")
-            plan_info, _ = self.module.plan_with_staged_workspace_bytes(
-                self.float_workspace, int_workspace, self._scratch, rows.qo_indptr, rows.kv_indptr, rows.kv_len,
+        with self._scratch_lock:
+            turn = self._next_scratch()
+            scratch = self._scratches[turn][0]
+            plan_info, staged = self.surface.native(self.module).plan(
+                self.float_workspace, int_workspace, scratch, rows.qo_indptr, kv_indptr, rows.kv_len,
                 self.num_heads, self.rank, causal,
             )
+            staged = int(staged)
+            if not 0 <= staged <= min(scratch.numel(), int_workspace.numel()):
+                raise RuntimeError(f"FlashInfer's MLA planner staged {staged} bytes, more than its workspaces hold")
+            int_workspace[:staged].copy_(scratch[:staged], non_blocking=True)
+            copied = None
+            if self.device.type == "cuda":
+                copied = torch.cuda.Event()
+                copied.record(torch.cuda.current_stream(self.device))
+            self._scratches[turn] = (scratch, copied)
         return plan_info
+
+    def _next_scratch(self) -> int:
+        """Index of the host scratch whose turn it is, once the GPU has read what it held (under the lock)."""
+        turn, self._turn = self._turn, 1 - self._turn
+        if len(self._scratches) <= turn:  # allocated on first use
+            pinned = self.device.type == "cuda"
+            self._scratches.append((torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=pinned), None))
+        copied = self._scratches[turn][1]
+        if copied is not None and not copied.query():
+            copied.synchronize()  # a plan two steps ahead of the GPU: wait for the copy of two plans ago
+        return turn
 
     def run(self, plan_info, int_workspace, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float,
             kv_scales=(1.0, 1.0)):
@@ -315,8 +366,9 @@ def wrapper_plan(wrapper, rows: PagedRows, kv_indices, causal, scale, num_heads,
 # One step on one device
 # --------------------------------------------------------------------------------------------------------------
 class FaStep:
-    """The fa2/fa3 metadata of one step on one device, shared by all its layers: the rows, the planned schedule
-    (or FlashInfer's refusal), and the page indices per cache pitch."""
+    """The fa2/fa3 metadata of one step on one device, shared by all its layers: the rows, and per cache pitch the
+    planned schedule and page indices (or FlashInfer's refusal). Every layer's cache has the same pitch in
+    practice, so a step plans once."""
 
     def __init__(self, plan, device, backend, num_heads, dtype, rank, rope, pitch, scale, kv_dtype=None):
         self.device, self.backend, self.num_heads, self.dtype, self.rank, self.rope = (
@@ -325,33 +377,37 @@ class FaStep:
         self.rows = paged_rows(plan, device)
         self.causal = plan.q_len > 1
         self.refused: str | None = None
-        self._indices: dict[int, torch.Tensor] = {}
+        self._schedules: dict[int, tuple] = {}
         self._wrappers: dict[tuple, object] = {}
         self.engine = (generated_fa(device, backend, num_heads, dtype, rank, rope, self.kv_dtype)
                        if uses_generated_module() else None)
-        try:
+        try:  # the first layer's plan tells whether FlashInfer accepts the step (its checks ignore the pitch)
             if self.engine is not None:
-                self.int_workspace = self.engine.new_workspace()  # this step's schedule
-                self.plan_info = self.engine.plan(self.rows, self.causal, self.int_workspace)
+                self.schedule(pitch)
             else:
                 self._wrapper(pitch, scale)
         except PlanRefused as exc:
             self.refused = str(exc)
 
-    def indices(self, pitch: int) -> torch.Tensor:
-        if pitch not in self._indices:
-            self._indices[pitch] = self.rows.kv_indices(pitch, self.device)
-        return self._indices[pitch]
+    def schedule(self, pitch: int) -> tuple:
+        """``(int workspace, plan info, page indices)`` of the generated module for caches of this row pitch: the
+        plan carries each sequence's page offset (`PagedRows.addressing`), so it is made per pitch."""
+        if pitch not in self._schedules:
+            kv_indptr, kv_indices = self.rows.addressing(pitch, self.device)
+            int_workspace = self.engine.new_workspace()
+            plan_info = self.engine.plan(self.rows, kv_indptr, self.causal, int_workspace)
+            self._schedules[pitch] = (int_workspace, plan_info, kv_indices)
+        return self._schedules[pitch]
 
     def _wrapper(self, pitch, scale):
         # The public wrapper binds the indices and the scale at plan time: one planned wrapper per (pitch, scale),
-        # owned by this step.
+        # owned by this step. It gets compact CSR indices, as its contract asks.
         if (pitch, scale) not in self._wrappers:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
             wrapper = BatchMLAPagedAttentionWrapper(workspace_buffer(self.device), backend=self.backend)
-            wrapper_plan(wrapper, self.rows, self.indices(pitch), self.causal, scale, self.num_heads, self.dtype,
-                         self.rank, self.rope, self.kv_dtype)
+            wrapper_plan(wrapper, self.rows, self.rows.kv_indices(pitch, self.device), self.causal, scale,
+                         self.num_heads, self.dtype, self.rank, self.rope, self.kv_dtype)
             self._wrappers[(pitch, scale)] = wrapper
         return self._wrappers[(pitch, scale)]
 
@@ -360,8 +416,9 @@ class FaStep:
         if self.refused:
             raise PlanRefused(f"{self.backend}: {self.refused}")
         if self.engine is not None:
-            return self.engine.run(self.plan_info, self.int_workspace, q_nope, q_rope, ckv, kpe, self.indices(pitch),
-                                   self.causal, scale, kv_scales or (1.0, 1.0))
+            int_workspace, plan_info, kv_indices = self.schedule(pitch)
+            return self.engine.run(plan_info, int_workspace, q_nope, q_rope, ckv, kpe, kv_indices, self.causal, scale,
+                                   kv_scales or (1.0, 1.0))
         fp8 = {} if kv_scales is None else {"ckv_scale": float(kv_scales[0]), "kpe_scale": float(kv_scales[1])}
         return self._wrapper(pitch, scale).run(query=(q_nope, q_rope), kv_cache=(ckv, kpe), **fp8)
 

@@ -27,21 +27,31 @@ class FakeMLAModule:
         self.plans: list[dict] = []
         self.runs = 0
 
-    def plan_with_staged_workspace_bytes(self, float_ws, int_ws, scratch, qo_indptr, kv_indptr, kv_len, num_heads,
-                                         head_dim_o, causal):
+    def plan_with_staged_workspace_bytes(self, float_ws, int_ws, scratch, *args):
+        """FlashInfer's proxy: the native plan, then its staged bytes to the device workspace."""
+        plan_info, staged = self.plan(float_ws, int_ws, scratch, *args)
+        int_ws[:staged].copy_(scratch[:staged])
+        return plan_info, staged
+
+    def plan(self, float_ws, int_ws, scratch, qo_indptr, kv_indptr, kv_len, num_heads, head_dim_o, causal):
+        """The native plan: validates its arguments and writes the "schedule" to the host `scratch` only."""
         for t in (qo_indptr, kv_indptr, kv_len):
             assert t.device.type == "cpu" and t.dtype == torch.int32 and t.is_contiguous()  # read on the host
         assert float_ws.dtype == torch.uint8 and int_ws.dtype == torch.uint8 and scratch.device.type == "cpu"
         assert isinstance(num_heads, int) and isinstance(head_dim_o, int) and isinstance(causal, bool)
         b = kv_len.numel()
         assert qo_indptr.numel() == kv_indptr.numel() == b + 1
-        assert torch.equal(kv_indptr[1:] - kv_indptr[:-1], kv_len)  # page size 1: one page per token
+        # Page size 1: sequence r's pages are kv_indices[kv_indptr[r] : kv_indptr[r] + kv_len[r]] (the kernel's
+        # addressing; the offsets need not be compact), and no two sequences share a page.
+        spans = sorted(zip(kv_indptr[:-1].tolist(), (kv_indptr[:-1] + kv_len).tolist()))
+        assert all(s0 >= 0 and e0 <= s1 for (s0, e0), (s1, _) in zip(spans, spans[1:] + [(2**31, 0)]))
         plan_id = len(self.plans)
         self.plans.append(dict(qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), kv_len=kv_len.clone(),
                                num_heads=num_heads, head_dim_o=head_dim_o, causal=causal,
                                scratch=scratch))  # kept alive: a scratch allocated per plan gets a new address
         staged = torch.cat([torch.tensor([b, plan_id], dtype=torch.int32), qo_indptr, kv_indptr, kv_len])
-        int_ws.view(torch.int32)[: staged.numel()].copy_(staged, non_blocking=True)
+        assert scratch.numel() >= 4 * staged.numel() and int_ws.numel() >= 4 * staged.numel()
+        scratch.view(torch.int32)[: staged.numel()] = staged
         q_tokens = int(qo_indptr[-1]) // max(b, 1)
         plan_info = [2 if q_tokens * num_heads > 64 else 1, 132] + [64 * i for i in range(PLAN_INFO_LEN - 2)]
         return plan_info, 4 * staged.numel()
@@ -60,7 +70,8 @@ class FakeMLAModule:
         assert q_nope.shape[0] == int(qo_indptr[-1]) and q_pe.shape[:2] == q_nope.shape[:2]
         assert ckv.dim() == kpe.dim() == 3 and ckv.shape[1] == kpe.shape[1] == 1
         assert out.shape == q_nope.shape and out.dtype == q_nope.dtype
-        assert kv_indices.dtype == torch.int32 and kv_indices.numel() >= int(kv_indptr[-1])
+        assert kv_indices.dtype == torch.int32
+        assert kv_indices.numel() >= max((kv_indptr[:-1] + kv_len).tolist(), default=0)
         for r in range(b):
             q0, q1, k0, n = int(qo_indptr[r]), int(qo_indptr[r + 1]), int(kv_indptr[r]), int(kv_len[r])
             pages = kv_indices[k0 : k0 + n].long()
@@ -91,6 +102,7 @@ def make_surface(validate_workload=None) -> FakeSurface:
 
     return FakeSurface(
         get_module=get_module,
+        native=lambda module: module,
         validate_static=validate_static,
         validate_workload=validate_workload or _fa_common._validate_fa_plan_workload,
         refused=_capabilities._BackendPlanUnsupportedError,

@@ -67,6 +67,8 @@ def test_indices_beyond_int32_are_refused():
     rows = rows_from_ranges(KVRanges(torch.zeros(3, dtype=torch.long), 8), 1)
     with pytest.raises(ValueError, match="int32"):
         rows.kv_indices(2**30, torch.device("cpu"))
+    with pytest.raises(ValueError, match="int32"):
+        rows.addressing(2**30, torch.device("cpu"))
 
 
 def test_host_ranged_planning_never_reads_the_device(fake_hopper):
@@ -76,14 +78,32 @@ def test_host_ranged_planning_never_reads_the_device(fake_hopper):
     plan = StepPlan(torch.ones(3, 1, 1, 40, dtype=torch.bool, device=meta))
     plan.ranges = KVRanges(torch.tensor([0, 5, 39]), 40)
     step = flashinfer_fa.FaStep(plan, meta, "fa3", 4, torch.float64, 32, 8, pitch=64, scale=0.1)
-    assert step.refused is None and step.indices(64).device == meta and step.indices(64).numel() == 40 + 35 + 1
+    _, _, kv_indices = step.schedule(64)
+    assert step.refused is None and kv_indices.device == meta and kv_indices.numel() >= 3 * 64
     planned = fake_hopper.modules["fa3"].plans[-1]
     assert planned["kv_len"].tolist() == [40, 35, 1] and planned["causal"] is False
+    assert planned["kv_indptr"].tolist()[:3] == [0, 64 + 5, 128 + 39]  # each row's run, addressed in place
 
 
-def test_plans_reuse_one_host_scratch_per_module(fake_hopper):
-    """The native planner's 8 MiB host scratch is allocated once per module, not per plan (allocating pinned
-    memory per step cost milliseconds of host time on the H200), and every plan gets all of it."""
+def test_single_run_rows_plan_offsets_into_the_identity():
+    """Rows that are single runs are addressed in place: the page offset of row b is b * pitch + first[b] over a
+    fixed identity, and reading the identity there gives exactly the compact CSR indices of the same rows."""
+    rows = rows_from_ranges(KVRanges(torch.tensor([3, 0, 7]), 9), 1)
+    kv_indptr, identity = rows.addressing(16, torch.device("cpu"))
+    assert kv_indptr.dtype == torch.int32 and kv_indptr.tolist() == [3, 16, 39, 48]
+    assert identity.numel() >= 48 and torch.equal(identity[:48], torch.arange(48, dtype=torch.int32))
+    assert identity is rows.addressing(8, torch.device("cpu"))[1]  # one identity per device, reused
+    gathered = torch.cat([identity[s : s + n] for s, n in zip(kv_indptr.tolist(), rows.kv_len.tolist())])
+    assert torch.equal(gathered, rows.kv_indices(16, torch.device("cpu")))
+    holes = rows_from_mask(torch.tensor([[True, False, True, True], [False, True, True, False]]), 1)
+    kv_indptr, indices = holes.addressing(10, torch.device("cpu"))  # not runs: compact CSR, explicit indices
+    assert kv_indptr.tolist() == [0, 3, 5] and indices.tolist() == [0, 2, 3, 11, 12]
+
+
+def test_plans_take_turns_on_two_host_scratches_per_module(fake_hopper):
+    """The native planner's 8 MiB host scratch is allocated twice per module, not per plan (allocating pinned
+    memory per step cost milliseconds of host time on the H200); plans use the two in turn, every plan gets a whole
+    one, and its schedule reaches the step's workspace from there."""
     meta = torch.device("meta")
     for end in (40, 41, 42):
         plan = StepPlan(torch.ones(2, 1, 1, end, dtype=torch.bool, device=meta))
@@ -91,8 +111,37 @@ def test_plans_reuse_one_host_scratch_per_module(fake_hopper):
         assert flashinfer_fa.FaStep(plan, meta, "fa3", 4, torch.float64, 32, 8, pitch=64, scale=0.1).refused is None
     plans = fake_hopper.modules["fa3"].plans
     assert [p["kv_len"].tolist() for p in plans] == [[40, 37], [41, 38], [42, 39]]
-    assert len({p["scratch"].data_ptr() for p in plans}) == 1
+    addresses = [p["scratch"].data_ptr() for p in plans]
+    assert addresses[0] == addresses[2] != addresses[1]
     assert plans[0]["scratch"].numel() == flashinfer_fa.INT_WORKSPACE_BYTES
+
+
+def test_a_scratch_is_reused_only_after_the_gpu_read_it(fake_hopper):
+    """A plan two steps ahead of the GPU waits for the copy out of its scratch; a completed copy costs no wait."""
+    engine = flashinfer_fa.generated_fa(torch.device("cpu"), "fa3", 4, torch.float64, 32, 8)
+
+    class Copy:
+        def __init__(self, done):
+            self.done, self.waited = done, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = True
+
+    rows = rows_from_ranges(KVRanges(torch.tensor([0, 3]), 9), 1)
+    workspace = engine.new_workspace()
+    engine.plan(rows, rows.kv_indptr, False, workspace)
+    engine.plan(rows, rows.kv_indptr, False, workspace)
+    pending, done = Copy(False), Copy(True)
+    engine._scratches = [(engine._scratches[0][0], pending), (engine._scratches[1][0], done)]
+    engine.plan(rows, rows.kv_indptr, False, workspace)
+    assert pending.waited and not done.waited
+    engine.plan(rows, rows.kv_indptr, False, workspace)
+    assert not done.waited
+    staged = workspace.view(torch.int32)
+    assert staged[:2].tolist() == [2, 3] and staged[5:8].tolist() == [0, 9, 15]  # batch, plan id; kv_indptr
 
 
 # ------------------------------------------------------------------------------------------ host_ranges
@@ -295,7 +344,7 @@ def test_other_flashinfer_releases_use_the_public_wrapper(fake_hopper, monkeypat
             assert (page_size, query_layout, kv_cache_layout) == (1, "split", "split")
             self.ws = torch.zeros(4096, dtype=torch.uint8)
             self.info, _ = self.module.plan_with_staged_workspace_bytes(
-                self.ws, self.ws, torch.zeros(1, dtype=torch.uint8), metadata.qo_indptr, metadata.kv_indptr,
+                self.ws, self.ws, torch.zeros(4096, dtype=torch.uint8), metadata.qo_indptr, metadata.kv_indptr,
                 metadata.kv_len_arr, num_heads, head_dim_ckv, causal)
             self.kv_indices, self.scale, self.causal = metadata.kv_indices, sm_scale, causal
             planned.append(self)
@@ -439,8 +488,17 @@ def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch
         cuda_graphs.plan_graph_slots(plan)  # the op's eager run on the same step does not plan again
         assert len(fa3.plans) == end - 9 and fa3.plans[-1]["kv_len"].tolist() == [end - 3, end]
         assert slot.kv_indices is indices and slot.int_workspace is workspace  # fixed addresses
-        assert indices[: 2 * end - 3].tolist() == list(range(3, end)) + list(range(16, 16 + end))
+        assert indices.tolist() == list(range(32))  # the identity: only the schedule changes per step
+        assert fa3.plans[-1]["kv_indptr"].tolist() == [3, 16, 32]
         assert other.plan_info is None  # another pitch: another shape, not planned
+    holes = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    holes[0, ..., 5] = holes[1, ..., 12:] = False  # a user's mask with a hole: explicit indices for one step
+    cuda_graphs.plan_graph_slots(metadata.attach_plan(holes))
+    assert indices[:27].tolist() == [0, 1, 2, 3, 4] + list(range(6, 16)) + list(range(16, 28))
+    plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool))
+    plan.ranges = KVRanges(torch.tensor([3, 0]), 12)
+    cuda_graphs.plan_graph_slots(plan)
+    assert slot.kv_indices is indices and indices.tolist() == list(range(32))  # the identity is back
     q = torch.randn(2, 4, 32, dtype=torch.float64)
     out = slot.run(q, torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(32, 1, 32, dtype=torch.float64),
                    torch.randn(32, 1, 8, dtype=torch.float64))

@@ -52,8 +52,9 @@ def main() -> int:
         "native plan only": lambda: raw.plan(*args),
         "staged copy to GPU": lambda: ws[:staged].copy_(scratch[:staged], non_blocking=True),
         "proxy plan (FlashInfer staging)": lambda: eng.module.plan_with_staged_workspace_bytes(*args),
-        "GeneratedFa.plan": lambda: eng.plan(rows, False, ws),
-        "kv_indices": lambda: rows.kv_indices(ctx, dev),
+        "GeneratedFa.plan": lambda: eng.plan(rows, rows.kv_indptr, False, ws),
+        "compact kv_indices (public wrapper only)": lambda: rows.kv_indices(ctx, dev),
+        "addressing (identity)": lambda: rows.addressing(ctx, dev),
         "FaStep (rows + plan + workspace)": lambda: fa.FaStep(plan, dev, "fa3", 128, torch.bfloat16, 512, 64, ctx,
                                                               0.1),
     }
