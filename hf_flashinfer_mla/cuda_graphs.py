@@ -70,13 +70,15 @@ class GraphSlot:
                 fa.wrapper_plan(self.wrapper, rows, indices, self.causal, self.scale, *self.dims)
                 self._set_indices(indices)
                 return
-            kv_indptr, indices = rows.addressing(self.pitch, self.device)
-            plan_info = self.engine.plan(rows, kv_indptr, self.causal, self.int_workspace)
+            # (not `rows.addressing`: its identity lives for the process, and this may run during CUDA-graph
+            # warm-up, whose allocations belong to the graph's pool)
+            indices = None if rows.first is not None else rows.kv_indices(self.pitch, self.device)
+            plan_info = self.engine.plan(rows, rows.page_offsets(self.pitch), self.causal, self.int_workspace)
         except fa.PlanRefused as exc:
             # `plan_always_accepted` admitted this shape; a refusal means FlashInfer changed its rules.
             raise RuntimeError(f"FlashInfer refused a CUDA-graph decode plan it was expected to accept: {exc}. "
                                "Run without CUDA graphs (generate(..., disable_compile=True)).") from None
-        self._set_indices(None if rows.first is not None else indices)
+        self._set_indices(indices)
         if self.plan_info is None:
             self.plan_info = plan_info
         elif list(plan_info) != list(self.plan_info):

@@ -118,16 +118,23 @@ class PagedRows:
         Its kernels read sequence ``b``'s pages at ``kv_indices[kv_indptr[b] + j]`` for ``j < kv_len[b]`` (the
         plan copies ``kv_indptr[b]`` per work item; ``scheduler.cuh`` ``MLAPlan``, ``mla_hopper.cuh``/``mla.cuh``),
         so the offsets need not be compact. Rows that are single runs point straight into the identity
-        (``kv_indptr[b] = b * pitch + first[b]`` over ``kv_indices = arange``): nothing is built per step. Other
-        rows get compact CSR offsets and their explicit indices."""
+        (`page_offsets`, over `buffers.identity_rows`): nothing is built per step. Other rows get compact CSR
+        offsets and their explicit indices."""
         if self.first is None:
             return self.kv_indptr, self.kv_indices(pitch, device)
+        return self.page_offsets(pitch), identity_rows(device, self.kv_len.numel() * pitch)
+
+    def page_offsets(self, pitch: int) -> torch.Tensor:
+        """``[B + 1]`` int32 host offsets of each sequence's pages: ``b * pitch + first[b]`` into an identity page
+        table for single-run rows, the compact CSR offsets otherwise."""
+        if self.first is None:
+            return self.kv_indptr
         batch = self.kv_len.numel()
         _check_int32(batch * pitch, batch, pitch)
         kv_indptr = torch.empty(batch + 1, dtype=torch.int32)
         kv_indptr[:-1] = torch.arange(batch, dtype=torch.long) * pitch + self.first
         kv_indptr[-1] = batch * pitch
-        return kv_indptr, identity_rows(device, batch * pitch)
+        return kv_indptr
 
     def kv_indices(self, pitch: int, device: torch.device) -> torch.Tensor:
         """``[total]`` int32 row indices on `device`, in the compact CSR order of `kv_indptr` (device arithmetic on

@@ -14,7 +14,7 @@ from flashinfer.mla._batch_mla._backends import _fa_common
 from transformers import DynamicCache
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
-from hf_flashinfer_mla import cuda_graphs, flashinfer_fa, metadata
+from hf_flashinfer_mla import buffers, cuda_graphs, flashinfer_fa, metadata
 from hf_flashinfer_mla.flashinfer_fa import rows_from_mask, rows_from_ranges
 from hf_flashinfer_mla.metadata import KVRanges, StepPlan, host_ranges, step_plan
 
@@ -475,6 +475,7 @@ def test_user_4d_masks_get_fresh_plans_every_step(fake_hopper):
 # ------------------------------------------------------------------------------------------ CUDA-graph slots
 def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch):
     monkeypatch.setattr(cuda_graphs, "_slots", {})
+    monkeypatch.setattr(buffers, "_identities", {})
     cpu = torch.device("cpu")
     key = (cpu, "fa3", 4, torch.float64, 32, 8, 0.25, 2, 1, 16)
     slot = cuda_graphs._slots[key] = cuda_graphs.GraphSlot(key)
@@ -499,6 +500,9 @@ def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch
     plan.ranges = KVRanges(torch.tensor([3, 0]), 12)
     cuda_graphs.plan_graph_slots(plan)
     assert slot.kv_indices is indices and indices.tolist() == list(range(32))  # the identity is back
+    # Slots plan during CUDA-graph warm-up, whose allocations belong to the graph's pool: never the process-wide
+    # identity of eager steps.
+    assert buffers._identities == {}
     q = torch.randn(2, 4, 32, dtype=torch.float64)
     out = slot.run(q, torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(32, 1, 32, dtype=torch.float64),
                    torch.randn(32, 1, 8, dtype=torch.float64))
