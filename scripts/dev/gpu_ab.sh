@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# A/B on one machine: the package at HEAD against an older copy unpacked in ab_old/ (git archive REV hf_flashinfer_mla
-# | tar x -C ab_old), alternating, the same cells; then host profiles and planning pieces of HEAD. ~7 minutes on an
-# H200 (9 at most). Logs and JSON under $OUT; ab.txt has the tables.
+# One device call (~8 minutes on an H200, 9.5 at most). First an A/B on one machine: the package at HEAD against an
+# older copy unpacked in ab_old/ (git archive REV hf_flashinfer_mla | tar x -C ab_old), alternating, two rounds, the
+# same two cells. Then, on HEAD: the issue-11 eager grid, the CUDA-graph target cell, host time per step and layer,
+# and the host cost of each piece of a plan. All text goes to ab.txt; JSON under $OUT (the A/B's in ab_json.tgz).
 set -u
-O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
+O=${OUT:-bench_out}; mkdir -p "$O/ab"; O=$(cd "$O" && pwd)
 ROOT=$PWD
 { date -u +"%Y-%m-%d %H:%M UTC"; sha256sum hf_flashinfer_mla/*.py | sha256sum; sha256sum ab_old/hf_flashinfer_mla/*.py | sha256sum;
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; lscpu | grep -E "Model name|^CPU\(s\)"; } > "$O/date_ab.txt"
-run() { local limit=$1 log=$2; shift 2; timeout "$limit" "$@" >> "$O/$log" 2>&1 || echo "exit $? ($log)" >> "$O/$log"; }
+run() { local limit=$1; shift; echo "## $*" >> "$O/ab.txt"; timeout "$limit" "$@" >> "$O/ab.txt" 2>&1 || echo "exit $?" >> "$O/ab.txt"; }
 cd scripts
 for round in 1 2; do
   for v in old new; do
     pp=$PYTHONPATH; [ $v = old ] && pp=$ROOT/ab_old:$PYTHONPATH
     echo "== $v round $round" >> "$O/ab.txt"
-    PYTHONPATH=$pp run 80 ab.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 32 --context 1024 4096 \
-        --attn sdpa flashinfer_mla --steps 10 --warmup 3 --time-limit 60 --no-floor --out "$O" --name decode_${v}_${round}.json
+    PYTHONPATH=$pp run 45 python3 bench_decode.py --model deepseek-v3-attn --batch 1 32 --context 1024 4096 \
+        --attn sdpa flashinfer_mla --steps 20 --warmup 3 --time-limit 30 --no-floor --out "$O/ab" --name decode_${v}_${round}.json
   done
 done
-run 40 plan_micro.txt python3 dev/plan_micro.py
-cd "$ROOT"
-run 80 profile.txt python3 scripts/dev/profile_step.py --cells 1x1024 --steps 20 --out "$O" --name profile_eager.txt
-run 150 gpu_backends.txt python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_backends.py
-grep -E "^==|flashinfer_mla:|sdpa:|exit" "$O/ab.txt"; cat "$O/plan_micro.txt"; grep "==" "$O/profile_eager.txt"
-tail -3 "$O/gpu_backends.txt"
+(cd "$O" && tar czf ab_json.tgz ab && rm -rf ab)
+run 190 python3 bench_decode.py --model deepseek-v3-attn --batch 32 1 8 128 --context 4096 1024 16384 32768 \
+    --steps 6 --warmup 2 --time-limit 160 --out "$O"
+run 110 python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
+    --steps 10 --time-limit 80 --out "$O" --name decode_graphs_target.json
+run 50 python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 --out "$O"
+run 40 python3 dev/plan_micro.py
+grep -E "^==|^##|flashinfer_mla:|sdpa:|eager:|exit|deepseek|host|plan|ms" "$O/ab.txt" | grep -v "^  \|Loading" | tail -90
