@@ -8,10 +8,13 @@ op `fa_decode_graph`, which dynamo and inductor treat as opaque. With a static c
 in ``prepare_inputs_for_generation``, outside the compiled region, and the mask function re-plans every matching
 slot there (`plan_graph_slots`) before the replay. Inside ``generate()`` that planning needs no device sync (the
 rows are known on the host, ``metadata.py``), and the schedule reaches the slot's buffers by a copy ordered after
-the previous replay on the stream, so a loop that does not wait for each step's tokens plans step t+1 while the GPU
-still replays step t.
-(``generate()`` itself reads every step's tokens for its stopping criteria, so there the plan's host time,
-about 0.2 ms per step on an H200 host, adds to the step.)
+the previous replay on the stream.
+
+``generate()`` waits for every step's tokens before it builds the next step, so a plan made there would add its
+host time to every step. Instead the schedule of step t+1 is computed while the GPU replays step t: once
+``generate()`` has queued step t and grown its mask, `StepPlan.plan_next` has each slot compute the next schedule
+on the host into a pinned staging buffer of its own (`GraphSlot.ahead`); the replay in flight still reads the
+slot's workspace, so step t+1's mask function only queues the copy, if that step's rows are the ones predicted.
 
 Graphs that build the mask themselves (a forward the user compiled) are never re-planned before a replay: they
 use the reference backend (`mask_planned_outside_graph`). So do shapes for which FlashInfer could refuse some
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import weakref
 
 import torch
@@ -47,6 +49,11 @@ class GraphSlot:
         self.kv_indices = torch.arange(batch * pitch, dtype=torch.int32, device=device)
         self.identity = True
         self.plan_info = None
+        # The next step's schedule, computed on the host ahead of time (`ahead`): (ranges, q_len, plan info, bytes)
+        # staged in `self.staging`, a pinned scratch of this slot's own, uploaded by `plan` if the rows match.
+        self._ahead: tuple | None = None
+        self.staging: torch.Tensor | None = None
+        self._staging_read = None  # event: the GPU has copied the staging scratch's last schedule
         if fa.uses_generated_module():
             self.engine, self.wrapper = fa.generated_fa(device, backend, num_heads, dtype, rank, rope), None
             self.int_workspace = self.engine.new_workspace()  # the schedule, at a fixed address
@@ -61,15 +68,22 @@ class GraphSlot:
                 kv_indices=self.kv_indices, kv_len_arr=torch.zeros(batch, **i32),
             )
 
-    def plan(self, rows: fa.PagedRows) -> None:
+    def plan(self, plan: StepPlan) -> GraphSlot:
         """Write this step's schedule (and indices, where they are not the identity) into the slot's buffers
-        (stream-ordered, no sync of its own)."""
+        (stream-ordered, no sync of its own): the schedule `ahead` computed for these rows if there is one, else a
+        new one. Returns the slot (the step's state for it)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0].same_as(plan.ranges) and ahead[1] == plan.q_len:
+            self._staging_read = fa.upload(self.staging, ahead[3], self.int_workspace)
+            self._set_indices(None)
+            return self._check_layout(ahead[2])
+        rows = fa.paged_rows(plan, self.device)
         try:
             if self.engine is None:
                 indices = rows.kv_indices(self.pitch, self.device)
                 fa.wrapper_plan(self.wrapper, rows, indices, self.causal, self.scale, *self.dims)
                 self._set_indices(indices)
-                return
+                return self
             # (not `rows.addressing`: its identity lives for the process, and this may run during CUDA-graph
             # warm-up, whose allocations belong to the graph's pool)
             indices = None if rows.first is not None else rows.kv_indices(self.pitch, self.device)
@@ -79,11 +93,34 @@ class GraphSlot:
             raise RuntimeError(f"FlashInfer refused a CUDA-graph decode plan it was expected to accept: {exc}. "
                                "Run without CUDA graphs (generate(..., disable_compile=True)).") from None
         self._set_indices(indices)
+        return self._check_layout(plan_info)
+
+    def ahead(self, ranges, q_len: int) -> None:
+        """Compute the next step's schedule for rows `ranges` now, on the host only: this step's replay still reads
+        the slot's workspace, so `plan` uploads it at the next step, if that step's rows are these. Keeps nothing in
+        the step's plan (returns None): the slot owns its staged schedule."""
+        self._ahead = None
+        if self.engine is None or q_len != self.key[8] or ranges.end > self.pitch:
+            return
+        if self.staging is None:
+            self.staging = torch.empty(fa.INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        elif self._staging_read is not None:
+            self._staging_read.synchronize()  # its last upload, queued before this step's replay: long done
+        rows = fa.rows_from_ranges(ranges, q_len)
+        try:
+            plan_info, staged = self.engine.schedule(rows, rows.page_offsets(self.pitch), self.causal,
+                                                     self.int_workspace, self.staging)
+        except fa.PlanRefused:
+            return  # the next step plans (and reports) it itself
+        self._ahead = (ranges, q_len, plan_info, staged)
+
+    def _check_layout(self, plan_info) -> GraphSlot:
         if self.plan_info is None:
             self.plan_info = plan_info
         elif list(plan_info) != list(self.plan_info):
             # The captured launch holds the schedule's offsets and grid, fixed for a fixed batch and query shape.
             raise RuntimeError("FlashInfer's MLA schedule layout changed between steps of one CUDA-graph shape")
+        return self
 
     def _set_indices(self, indices: torch.Tensor | None) -> None:
         """Explicit page indices into the fixed buffer, or (None) the identity back where explicit ones were."""
@@ -108,7 +145,7 @@ _graphs_building_masks: "weakref.WeakSet" = weakref.WeakSet()
 
 def _plan_slot(plan: StepPlan, slot: GraphSlot) -> None:
     """Plan `slot` for `plan`'s step, once per step (the mask function and the op's eager runs share it)."""
-    plan.state(("graph", slot.key), lambda: slot.plan(fa.paged_rows(plan, slot.device)))
+    plan.state(("graph", slot.key), lambda: slot.plan(plan))
 
 
 def plan_graph_slots(plan: StepPlan) -> None:
@@ -162,7 +199,7 @@ def plan_always_accepted(device: str, batch: int, q_len: int, num_heads: int) ->
         )
         return False
     sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    return batch * math.ceil(q_len * num_heads / tile_q) + sms <= fa.MAX_WORK_ITEMS
+    return fa.work_items_bound(batch, q_len, num_heads, sms) <= fa.MAX_WORK_ITEMS
 
 
 def _outside_graph_pool(device: torch.device, build):

@@ -7,15 +7,17 @@ its first visible row, which is how left padding and the static cache's unfilled
 copied, and where every sequence sees one run of rows (every mask Transformers builds) the page table is a fixed
 identity whose offsets go into the plan: no step builds indices (`PagedRows.addressing`).
 
-Planning happens once per step and device, at the first layer, and is kept in the step's `StepPlan`
-(`fa_step`): the per-row lengths on the host (`PagedRows`: from the step's host-known ranges without any device
-sync, or read off the mask with one) and the kernel's work schedule.
+Planning happens once per step and device, and is kept in the step's `StepPlan` (`fa_step`): the per-row lengths
+on the host (`PagedRows`: from the step's host-known ranges without any device sync, or read off the mask with
+one) and the kernel's work schedule. Inside ``generate()`` a step is planned while the GPU runs the previous one
+(`FaStep.ahead`, called by `StepPlan.plan_next`); otherwise its first layer plans it.
 
 FlashInfer's public ``BatchMLAPagedAttentionWrapper.plan`` costs about 1.6 ms per step on 0.7.4: Python contract
 checks, a new backend object with fresh 8 MiB workspaces per plan, and ``aminmax(kv_indices).item()``, a device
 sync. For the FlashInfer releases in `TESTED_FLASHINFER` this module instead calls the generated module directly,
 as SGLang's ``fast_mla_decode_plan`` does (`GeneratedFa`): FlashInfer's own host-side validators first (the
-work-item capacity and the causal tile bound: a refused plan is reported, never launched), then
+work-item capacity and the causal tile bound: a refused plan is reported, never launched; decode steps that a
+bound proves acceptable skip them, `work_items_bound`), then
 its native ``plan`` on host arrays (the scheduler writes the work list to a pinned scratch, copied to the GPU
 asynchronously) and ``run`` with the indices on the GPU. That surface is private, so any other release takes the
 public wrapper (`wrapper_plan`), as does ``HF_FLASHINFER_MLA_FA_PLANNER=wrapper``.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import re
 import threading
@@ -52,6 +55,16 @@ MAX_WORK_ITEMS = 16384  # FlashInfer's native scheduler capacity (scheduler.cuh,
 
 class PlanRefused(Exception):
     """FlashInfer declined to plan this step (its validators found the workload unsupported)."""
+
+
+def work_items_bound(batch: int, q_len: int, num_heads: int, sms: int) -> int:
+    """At least the number of work items FlashInfer's fa2/fa3 scheduler makes for `batch` sequences of `q_len` query
+    tokens: one per query tile, plus at most one KV split per cluster of SMs (every split but a sequence's last is
+    the whole split limit, which is at least the average length per cluster: ``scheduler.cuh`` ``MLAPlan``,
+    ``_fa_common._fa_plan_work_count``). At most `MAX_WORK_ITEMS` means FlashInfer accepts a non-causal plan at
+    any cached lengths."""
+    tile_q = 128 if q_len * num_heads > 64 else 64
+    return batch * math.ceil(q_len * num_heads / tile_q) + sms
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -92,6 +105,17 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def upload(scratch: torch.Tensor, staged: int, int_workspace: torch.Tensor):
+    """Copy a schedule staged in the pinned host `scratch` to the device `int_workspace`, asynchronously. Returns the
+    event after which `scratch` may be written again (None off CUDA, where the copy is synchronous)."""
+    int_workspace[:staged].copy_(scratch[:staged], non_blocking=True)
+    if int_workspace.device.type != "cuda":
+        return None
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(int_workspace.device))
+    return copied
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -254,6 +278,7 @@ class GeneratedFa:
         self._scratches: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # (scratch, its last copy)
         self._turn = 0
         self._scratch_lock = threading.Lock()
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         self.refused = self._static_refusal(rope)
         self.module = None if self.refused else surface.get_module(
             backend, dtype, self.kv_dtype, dtype, torch.int32, rank, rope, False)
@@ -269,9 +294,8 @@ class GeneratedFa:
             )
         except self.surface.refused as exc:
             return str(exc)
-        if self.device.type == "cuda":  # partial outputs of the split KV chunks (FlashInfer 0.7.4's preflight)
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            need = 2 * sms * 64 * (2 * self.rank + 4) + 16
+        if self.sms is not None:  # partial outputs of the split KV chunks (FlashInfer 0.7.4's preflight)
+            need = 2 * self.sms * 64 * (2 * self.rank + 4) + 16
             if self.float_workspace.numel() < need:
                 return f"the float workspace holds {self.float_workspace.numel()} bytes, {need} are needed"
         return None
@@ -279,33 +303,43 @@ class GeneratedFa:
     def new_workspace(self) -> torch.Tensor:
         return torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
 
-    def plan(self, rows: PagedRows, kv_indptr: torch.Tensor, causal: bool, int_workspace: torch.Tensor):
+    def schedule(self, rows: PagedRows, kv_indptr: torch.Tensor, causal: bool, int_workspace: torch.Tensor,
+                 scratch: torch.Tensor) -> tuple[list, int]:
         """FlashInfer's workload validation, then its native scheduler on the host arrays (`kv_indptr`: the page
-        offsets of `PagedRows.addressing`); the schedule goes to `int_workspace` by an asynchronous copy. Returns
-        the plan info the kernel launch needs."""
+        offsets of `PagedRows.addressing`). The schedule of `int_workspace` is written to the pinned host `scratch`
+        only: nothing reaches the GPU (`upload` does that). Returns ``(plan info, bytes staged in scratch)``.
+
+        A non-causal step within the scheduler's work-item capacity (`work_items_bound`) is accepted at any cached
+        lengths, so FlashInfer's Python validator, which walks every sequence, is skipped for it."""
         if self.refused:
             raise PlanRefused(self.refused)
-        try:
-            self.surface.validate_workload(rows.qo_indptr, rows.kv_len, self.num_heads, causal, self.device,
-                                           self.backend, self.kv_dtype)
-        except self.surface.refused as exc:
-            raise PlanRefused(str(exc)) from None
+        batch = rows.kv_len.numel()
+        proven = (not causal and self.sms is not None
+                  and work_items_bound(batch, int(rows.qo_indptr[-1]) // max(batch, 1), self.num_heads, self.sms)
+                  <= MAX_WORK_ITEMS)
+        if not proven:
+            try:
+                self.surface.validate_workload(rows.qo_indptr, rows.kv_len, self.num_heads, causal, self.device,
+                                               self.backend, self.kv_dtype)
+            except self.surface.refused as exc:
+                raise PlanRefused(str(exc)) from None
+        plan_info, staged = self.surface.native(self.module).plan(
+            self.float_workspace, int_workspace, scratch, rows.qo_indptr, kv_indptr, rows.kv_len,
+            self.num_heads, self.rank, causal,
+        )
+        staged = int(staged)
+        if not 0 <= staged <= min(scratch.numel(), int_workspace.numel()):
+            raise RuntimeError(f"FlashInfer's MLA planner staged {staged} bytes, more than its workspaces hold")
+        return plan_info, staged
+
+    def plan(self, rows: PagedRows, kv_indptr: torch.Tensor, causal: bool, int_workspace: torch.Tensor):
+        """`schedule` into this module's host scratch whose turn it is, then `upload` to `int_workspace`. Returns
+        the plan info the kernel launch needs."""
         with self._scratch_lock:
             turn = self._next_scratch()
             scratch = self._scratches[turn][0]
-            plan_info, staged = self.surface.native(self.module).plan(
-                self.float_workspace, int_workspace, scratch, rows.qo_indptr, kv_indptr, rows.kv_len,
-                self.num_heads, self.rank, causal,
-            )
-            staged = int(staged)
-            if not 0 <= staged <= min(scratch.numel(), int_workspace.numel()):
-                raise RuntimeError(f"FlashInfer's MLA planner staged {staged} bytes, more than its workspaces hold")
-            int_workspace[:staged].copy_(scratch[:staged], non_blocking=True)
-            copied = None
-            if self.device.type == "cuda":
-                copied = torch.cuda.Event()
-                copied.record(torch.cuda.current_stream(self.device))
-            self._scratches[turn] = (scratch, copied)
+            plan_info, staged = self.schedule(rows, kv_indptr, causal, int_workspace, scratch)
+            self._scratches[turn] = (scratch, upload(scratch, staged, int_workspace))
         return plan_info
 
     def _next_scratch(self) -> int:
@@ -377,24 +411,35 @@ class FaStep:
     planned schedule and page indices (or FlashInfer's refusal). Every layer's cache has the same pitch in
     practice, so a step plans once."""
 
-    def __init__(self, plan, device, backend, num_heads, dtype, rank, rope, pitch, scale, kv_dtype=None):
+    def __init__(self, rows: PagedRows, causal: bool, device, backend, num_heads, dtype, rank, rope, pitches, scale,
+                 kv_dtype=None):
         self.device, self.backend, self.num_heads, self.dtype, self.rank, self.rope = (
             device, backend, num_heads, dtype, rank, rope)
         self.kv_dtype = kv_dtype or dtype
-        self.rows = paged_rows(plan, device)
-        self.causal = plan.q_len > 1
+        self.rows, self.causal = rows, causal
         self.refused: str | None = None
         self._schedules: dict[int, tuple] = {}
         self._wrappers: dict[tuple, object] = {}
         self.engine = (generated_fa(device, backend, num_heads, dtype, rank, rope, self.kv_dtype)
                        if uses_generated_module() else None)
         try:  # the first layer's plan tells whether FlashInfer accepts the step (its checks ignore the pitch)
-            if self.engine is not None:
-                self.schedule(pitch)
-            else:
-                self._wrapper(pitch, scale)
+            for pitch in pitches:
+                if self.engine is not None:
+                    self.schedule(pitch)
+                else:
+                    self._wrapper(pitch, scale)
         except PlanRefused as exc:
             self.refused = str(exc)
+
+    def ahead(self, ranges, q_len: int) -> FaStep | None:
+        """The same metadata for the next step's predicted rows (`metadata.StepPlan.plan_next`), planned now, at the
+        pitches this step used: the schedule is computed and its upload queued while the GPU still runs this step.
+        Only for the generated module (FlashInfer's wrapper binds its buffers at plan time)."""
+        pitches = tuple(p for p in self._schedules if ranges.end <= p)  # a cache that must grow plans anew
+        if self.engine is None or not pitches:
+            return None
+        return FaStep(rows_from_ranges(ranges, q_len), q_len > 1, self.device, self.backend, self.num_heads,
+                      self.dtype, self.rank, self.rope, pitches, None, self.kv_dtype)
 
     def schedule(self, pitch: int) -> tuple:
         """``(int workspace, plan info, page indices)`` of the generated module for caches of this row pitch: the
@@ -434,7 +479,8 @@ def fa_step(plan, backend, device, num_heads, dtype, rank, rope, pitch, scale, k
     """The step's `FaStep` for this device, backend, head count and dtypes (planned by the first layer)."""
     return plan.state(
         ("fa", device, backend, num_heads, dtype, rank, rope, kv_dtype or dtype),
-        lambda: FaStep(plan, device, backend, num_heads, dtype, rank, rope, pitch, scale, kv_dtype),
+        lambda: FaStep(paged_rows(plan, device), plan.q_len > 1, device, backend, num_heads, dtype, rank, rope,
+                       (pitch,), scale, kv_dtype),
     )
 
 

@@ -18,6 +18,13 @@ padding) is fixed for the call and ``W`` (the 2D mask's width) is a host integer
 the plan is derived exactly from the mask, as before. A mask without a padding part (no 2D mask) is pure causal
 and its rows are known on the host anywhere.
 
+Planning ahead. ``generate()`` waits for every step's tokens (its stopping criteria read them) before it builds
+the next step, so whatever the host does between the two is added to every step while the GPU idles. Once a step
+is queued, ``generate()`` grows its 2D mask by the new token (``_update_model_kwargs_for_generation``); there the
+next step's rows are known, and `StepPlan.plan_next` plans that step while the GPU still runs this one. The next
+step's plan takes those states over only if its rows are exactly the ones predicted (`StepPlan.take_next_of`);
+anything else (assisted decoding accepting several tokens, a cache that must grow) plans anew.
+
 Models split across devices (accelerate's ``device_map``) receive at each layer on another device a *copy* of the
 mask, without the plan. Such a copy adopts the step's plan (`StepPlan.adoptable_by`) instead of building its own,
 so each device plans once per step.
@@ -62,6 +69,10 @@ class KVRanges:
     def lengths(self) -> torch.Tensor:
         return (self.end - self.first).clamp(min=0)
 
+    def same_as(self, other: KVRanges | None) -> bool:
+        return other is not None and self.end == other.end and (
+            self.first is other.first or torch.equal(self.first, other.first))
+
 
 class StepPlan:
     """Everything the decode layers of one forward step share, on every device the model runs on."""
@@ -78,6 +89,7 @@ class StepPlan:
         self._states: dict[Any, Any] = {}
         self._consumers: set[int] = set()  # attention modules that ran on this plan (see `adoptable_by`)
         self._config = None  # config of the model whose layers consume it
+        self._next: tuple[KVRanges, dict] | None = None  # the next step's states, planned ahead (`plan_next`)
 
     def mask_on(self, device: torch.device) -> torch.Tensor:
         """The mask on `device` (copied once per device and step, for models split across GPUs)."""
@@ -98,6 +110,34 @@ class StepPlan:
         if key not in self._states:
             self._states[key] = build()
         return self._states[key]
+
+    def plan_next(self, end: int) -> None:
+        """Plan the next step now, for rows ``[first, end)``: called by generate() once it has queued this step and
+        grown its 2D mask to `end`, so that the host plans while the GPU still runs this step (the host would
+        otherwise plan after generate() has waited for this step's tokens).
+
+        Every state that can (an ``ahead(ranges, q_len)`` method: `flashinfer_fa.FaStep`,
+        `cuda_graphs.GraphSlot`) builds its successor. The next step's plan takes them over if its rows are the
+        ones predicted, and drops them otherwise (`attach_plan`)."""
+        if self.ranges is None:
+            return
+        ranges = KVRanges(self.ranges.first, end)
+        ahead = {}
+        for key, value in list(self._states.items()):
+            successor = value.ahead(ranges, self.q_len) if hasattr(value, "ahead") else None
+            if successor is not None:
+                ahead[key] = successor
+        self._next = (ranges, ahead) if ahead else None
+
+    def take_next_of(self, previous: StepPlan) -> None:
+        """Start with the states `previous` planned ahead, if they were planned for exactly this step's rows."""
+        planned, previous._next = previous._next, None
+        if (
+            planned is not None
+            and planned[0].same_as(self.ranges)
+            and (previous.batch_size, previous.q_len) == (self.batch_size, self.q_len)
+        ):
+            self._states.update(planned[1])
 
     def consumed_by(self, module) -> None:
         if not self._consumers:
@@ -131,6 +171,9 @@ def attach_plan(mask: torch.Tensor, ranges: KVRanges | None = None) -> StepPlan:
     """Build the plan for this step's `mask` and attach it to the tensor."""
     plan = StepPlan(mask)
     plan.ranges = ranges
+    previous = _latest_plan.get()
+    if previous is not None and ranges is not None:
+        plan.take_next_of(previous)
     setattr(mask, _PLAN_ATTR, plan)
     _latest_plan.set(plan)
     return plan
@@ -176,6 +219,7 @@ def _within_generate(generate):
     @functools.wraps(generate)
     def generate_with_fixed_padding(self, *args, **kwargs):
         token = _generate_call.set(_GenerateCall())
+        _latest_plan.set(None)  # nothing planned ahead by an earlier loop of this thread is taken over
         try:
             return generate(self, *args, **kwargs)
         finally:
@@ -192,7 +236,12 @@ def _marks_mask_extension(update):
         call = _generate_call.get()
         if call is not None:
             call.extending = True
-        return update(self, *args, **kwargs)
+        model_kwargs = update(self, *args, **kwargs)
+        plan = _latest_plan.get()
+        mask = model_kwargs.get("attention_mask") if isinstance(model_kwargs, dict) else None
+        if call is not None and plan is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            plan.plan_next(mask.shape[-1])  # this step is queued: plan the next while the GPU runs it
+        return model_kwargs
 
     update_model_kwargs._flashinfer_mla_generate = True
     return update_model_kwargs

@@ -226,7 +226,7 @@ def copy_bandwidth(device: torch.device, mib: int = 4096, iters: int = 10) -> fl
 def as_in_generate():
     """Run decode steps the way generate()'s decode loop runs them for flashinfer_mla: the 2D padding mask only
     grows by ones, so each step's rows are known on the host (no device sync). The scripts drive the model's steps
-    themselves (to time them and rewind the cache) and declare it with this scope, as generate() does."""
+    themselves (to time them) and declare it with this scope, as generate() does."""
     from hf_flashinfer_mla import metadata
 
     token = metadata._generate_call.set(metadata._GenerateCall(extending=True))
@@ -236,15 +236,17 @@ def as_in_generate():
         metadata._generate_call.reset(token)
 
 
-def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int, forward=None, rewind=True,
+def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int, forward=None,
                  mla_backend: str | None = None) -> dict:
-    """Time single-token decode steps at `context` cached tokens, each built exactly as generate() builds it
-    (``prepare_inputs_for_generation``: with a static cache that builds the 4D mask, outside any compiled region).
+    """Time single-token decode steps from `context` cached tokens on, each driven exactly as generate() drives it:
+    ``prepare_inputs_for_generation`` (with a static cache that builds the 4D mask, outside any compiled region),
+    the forward, then ``_update_model_kwargs_for_generation``, which grows the 2D mask (and where flashinfer_mla
+    plans the next step while the GPU runs this one), then a wait for the step, as generate() waits for its tokens.
 
-    Returns medians and lists of: ``ms`` (GPU time of the step, CUDA events, synchronised before each step: with
-    a host-bound step this is the host's time), ``host_ms`` (time until the host had enqueued the step), the
-    transient memory peak above weights + cache, and whether the logits were finite. The cache is cropped back
-    after each step (`rewind`), so every step decodes at exactly `context` tokens.
+    Returns medians and lists of: ``ms`` (the step from the host's start to the GPU's end, CUDA events: with a
+    host-bound step this is the host's time), ``host_ms`` (time until the host had enqueued the step), the
+    transient memory peak above weights + cache, and whether the logits were finite. The cache needs room for
+    `warmup` + `steps` more tokens; it is cropped back to `context` tokens at the end.
     """
     device = next(model.parameters()).device
     forward = forward or model
@@ -266,6 +268,7 @@ def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int
                                                          attention_mask=mask, use_cache=True, logits_to_keep=1)
             out = forward(**inputs, **extra)
             t_host = (time.perf_counter() - t0) * 1e3
+            mask = model._update_model_kwargs_for_generation(out, {"attention_mask": mask})["attention_mask"]
             if device.type == "cuda":
                 end.record()
                 end.synchronize()
@@ -275,14 +278,11 @@ def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int
                 t_step, peak = (time.perf_counter() - t0) * 1e3, None
             finite = finite and bool(torch.isfinite(out.logits).all())
             del out
-            if rewind:
-                cache.crop(-1)
-            else:
-                mask = torch.cat([mask, mask[:, :1]], -1)
             if i >= warmup:
                 ms.append(t_step)
                 host.append(t_host)
                 peaks.append(peak)
+    cache.crop(-(warmup + steps))
     return {
         "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_all": ms,
         "host_ms_median": statistics.median(host), "host_ms_all": host,

@@ -3,8 +3,8 @@
 
 Each cell (model, batch, context) runs every ``--attn`` on the same model (random weights from the real
 configuration, `bench_common.build_config`), with the cache filled to ``context`` tokens without a prefill, then
-times single-token decode steps built exactly as ``generate()`` builds them (`bench_common.decode_steps`; the cache
-is cropped back after every step, so each step decodes at exactly ``context`` tokens). Caches are what
+times single-token decode steps driven exactly as ``generate()`` drives them (`bench_common.decode_steps`: each
+step adds a token, from ``context`` tokens on; the cache is cropped back after each cell). Caches are what
 ``generate()`` gives each implementation: ``DynamicCache`` for eager/sdpa, ``MLALatentCache`` for flashinfer_mla;
 ``--graphs`` gives all a ``StaticCache`` and compiles the step with CUDA graphs, as
 ``generate(..., cache_implementation="static")`` does.
@@ -55,13 +55,13 @@ def run_cell(model, attn, batch, context, args, device, dtype, floor_bps) -> dic
                                                 config.num_attention_heads, requested_backend(args.mla_backend))
         kind = "static" if args.graphs else "dynamic"
         packed = {"auto": None, "split": False, "packed": True}[args.layout]
-        cache = bc.make_cache(kind, attn, config, context + 8, packed=packed)
+        warmup = max(args.warmup, 3) if args.graphs else args.warmup  # CUDA-graph trees warm up, then record
+        cache = bc.make_cache(kind, attn, config, context + warmup + args.steps + 8, packed=packed)
         rec["cache_class"] = type(cache).__name__
         bc.fill_cache(cache, config, batch, context, dtype, device)
         if args.graphs:
             torch._dynamo.reset()
             forward = torch.compile(model.__call__, mode="reduce-overhead")  # what generate() compiles
-        warmup = max(args.warmup, 3) if args.graphs else args.warmup  # CUDA-graph trees warm up, then record
         mla_backend = args.mla_backend if attn == "flashinfer_mla" else None
         rec.update(bc.decode_steps(model, cache, batch, context, warmup, args.steps, forward=forward,
                                    mla_backend=mla_backend))

@@ -10,6 +10,7 @@ against ``eager`` to rounding.
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -48,7 +49,8 @@ class FakeMLAModule:
         plan_id = len(self.plans)
         self.plans.append(dict(qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), kv_len=kv_len.clone(),
                                num_heads=num_heads, head_dim_o=head_dim_o, causal=causal,
-                               scratch=scratch))  # kept alive: a scratch allocated per plan gets a new address
+                               scratch=scratch,  # kept alive: a scratch allocated per plan gets a new address
+                               ahead=_called_from("plan_next")))  # planned ahead of its step (StepPlan.plan_next)
         staged = torch.cat([torch.tensor([b, plan_id], dtype=torch.int32), qo_indptr, kv_indptr, kv_len])
         assert scratch.numel() >= 4 * staged.numel() and int_ws.numel() >= 4 * staged.numel()
         scratch.view(torch.int32)[: staged.numel()] = staged
@@ -82,6 +84,13 @@ class FakeMLAModule:
                 i = torch.arange(q1 - q0)[:, None, None]
                 scores = scores.masked_fill(torch.arange(n)[None, None, :] > n - (q1 - q0) + i, float("-inf"))
             out[q0:q1] = torch.einsum("qhk,kl->qhl", torch.softmax(scores, -1).nan_to_num(0.0), lat)
+
+
+def _called_from(function: str) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != function:
+        frame = frame.f_back
+    return frame is not None
 
 
 class FakeSurface(SimpleNamespace):

@@ -77,7 +77,7 @@ def test_host_ranged_planning_never_reads_the_device(fake_hopper):
     meta = torch.device("meta")
     plan = StepPlan(torch.ones(3, 1, 1, 40, dtype=torch.bool, device=meta))
     plan.ranges = KVRanges(torch.tensor([0, 5, 39]), 40)
-    step = flashinfer_fa.FaStep(plan, meta, "fa3", 4, torch.float64, 32, 8, pitch=64, scale=0.1)
+    step = flashinfer_fa.fa_step(plan, "fa3", meta, 4, torch.float64, 32, 8, pitch=64, scale=0.1)
     _, _, kv_indices = step.schedule(64)
     assert step.refused is None and kv_indices.device == meta and kv_indices.numel() >= 3 * 64
     planned = fake_hopper.modules["fa3"].plans[-1]
@@ -108,7 +108,7 @@ def test_plans_take_turns_on_two_host_scratches_per_module(fake_hopper):
     for end in (40, 41, 42):
         plan = StepPlan(torch.ones(2, 1, 1, end, dtype=torch.bool, device=meta))
         plan.ranges = KVRanges(torch.tensor([0, 3]), end)
-        assert flashinfer_fa.FaStep(plan, meta, "fa3", 4, torch.float64, 32, 8, pitch=64, scale=0.1).refused is None
+        assert flashinfer_fa.fa_step(plan, "fa3", meta, 4, torch.float64, 32, 8, pitch=64, scale=0.1).refused is None
     plans = fake_hopper.modules["fa3"].plans
     assert [p["kv_len"].tolist() for p in plans] == [[40, 37], [41, 38], [42, 39]]
     addresses = [p["scratch"].data_ptr() for p in plans]
@@ -226,7 +226,11 @@ def test_generate_on_fa3_matches_eager_alone_planning_once_per_step_without_read
                          output_logits=True, return_dict_in_generate=True, cache_implementation=cache_implementation)
     fa3 = fake_hopper.modules["fa3"]
     decode_steps = new_tokens - 1  # the 9-token prefill takes the expanded path
-    assert len(fa3.plans) == decode_steps  # one plan per step, shared by the layers
+    # One plan per step, shared by the layers. The first decode step plans when it runs; every later one was
+    # planned ahead, while generate() had the previous step queued. After the last step one more is planned ahead
+    # and never used, where the cache has room for another token (the static cache is sized for exactly this call).
+    unused = {"dynamic": 1, "static": 0}[cache_implementation]
+    assert [p["ahead"] for p in fa3.plans] == [False] + [True] * (decode_steps - 1 + unused)
     assert fa3.runs == decode_steps * model.config.num_hidden_layers
     assert from_mask == [] and len(reads) == 1  # the left padding, read once; no step read its mask
     first = [0, 0, 0]
@@ -436,7 +440,10 @@ def test_copied_masks_plan_once_per_device_per_step(fake_hopper, monkeypatch, fi
             h.remove()
     steps = 3
     fa3 = fake_hopper.modules["fa3"]
-    assert len(fa3.plans) == steps and fa3.runs == steps * 4
+    # Steps whose layers run on the mask function's plan (rows known on the host) are planned ahead, the first one
+    # excepted, and so is a step after the last; a first copy's own plan reads its rows off the mask.
+    ahead = [False] * steps if first_copied == 0 else [False, True, True, True]
+    assert [p["ahead"] for p in fa3.plans] == ahead and fa3.runs == steps * 4
     assert len(built) == steps * built_per_step and sum(adoptions) == steps * adopted_per_step
     assert_batch_matches_eager_alone(model, out, prompts, 4, TOL)
 
@@ -542,3 +549,73 @@ def test_graph_shapes_admitted_are_never_refused(monkeypatch, backend):
                     assert all(outcomes), (heads, q_len, batch)
                 elif q_len > 1:
                     assert not all(outcomes), (heads, q_len, batch)
+
+
+def test_graph_slot_uploads_the_schedule_planned_ahead(fake_hopper, monkeypatch):
+    """`StepPlan.plan_next` (generate() has queued the step) makes the slot compute the next step's schedule on the
+    host only: the replay still in flight reads the slot's workspace. The next step uploads it if its rows are the
+    predicted ones, and plans anew otherwise."""
+    monkeypatch.setattr(cuda_graphs, "_slots", {})
+    key = (torch.device("cpu"), "fa3", 4, torch.float64, 32, 8, 0.25, 2, 1, 16)
+    slot = cuda_graphs._slots[key] = cuda_graphs.GraphSlot(key)
+    fa3 = fake_hopper.modules["fa3"]
+    first = torch.tensor([3, 0])
+
+    def step(end):
+        plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool), KVRanges(first, end))
+        cuda_graphs.plan_graph_slots(plan)
+        return plan
+
+    def planned_id():  # which of the fake's plans the slot's workspace holds
+        return int(slot.int_workspace.view(torch.int32)[1])
+
+    plan = step(10)
+    assert len(fa3.plans) == 1 and planned_id() == 0
+    plan.plan_next(11)
+    assert len(fa3.plans) == 2 and fa3.plans[1]["ahead"] and fa3.plans[1]["kv_len"].tolist() == [8, 11]
+    assert planned_id() == 0  # not uploaded yet: the slot's workspace still holds this step's schedule
+    plan = step(11)
+    assert len(fa3.plans) == 2 and planned_id() == 1  # the schedule planned ahead, uploaded; no plan of its own
+    plan.plan_next(12)
+    step(13)  # not the predicted rows (two tokens were accepted, say): planned anew
+    assert len(fa3.plans) == 4 and planned_id() == 3 and fa3.plans[3]["kv_len"].tolist() == [10, 13]
+    step(16).plan_next(17)  # the next step would not fit in the cache: nothing is planned ahead
+    assert len(fa3.plans) == 5
+
+
+def test_decode_plans_skip_flashinfers_validator_where_the_bound_proves_acceptance(fake_hopper, monkeypatch):
+    """FlashInfer's Python validator walks every sequence of every plan. A non-causal plan whose work items
+    (`work_items_bound`) fit the scheduler's capacity is accepted at any lengths, so it is not called for one;
+    causal plans, and plans beyond the bound, are still validated."""
+    engine = flashinfer_fa.generated_fa(torch.device("cpu"), "fa3", 4, torch.float64, 32, 8)
+    validated = []
+    monkeypatch.setattr(fake_hopper, "validate_workload", lambda *args: validated.append(args))
+    engine.sms = 132
+    workspace = engine.new_workspace()
+    rows = rows_from_ranges(KVRanges(torch.tensor([0, 3]), 9), 1)
+    engine.plan(rows, rows.kv_indptr, False, workspace)
+    assert validated == []
+    causal = rows_from_ranges(KVRanges(torch.tensor([0, 3]), 9), 2)
+    engine.plan(causal, causal.kv_indptr, True, workspace)
+    assert len(validated) == 1
+    monkeypatch.setattr(flashinfer_fa, "MAX_WORK_ITEMS", 133)  # two sequences' tiles + 132 SMs exceed it
+    engine.plan(rows, rows.kv_indptr, False, workspace)
+    assert len(validated) == 2
+    engine.sms = None  # an SM count that is not known (not a CUDA device): always validated
+    monkeypatch.setattr(flashinfer_fa, "MAX_WORK_ITEMS", 16384)
+    engine.plan(rows, rows.kv_indptr, False, workspace)
+    assert len(validated) == 3
+
+
+@pytest.mark.parametrize("heads", [1, 16, 20, 64, 128])
+def test_work_items_bound_covers_flashinfers_count(heads):
+    """`work_items_bound` against FlashInfer's own count of a plan's work items (`_fa_plan_work_count`, which
+    mirrors its scheduler), for uneven batches of long and short sequences, decode and 2-8 token steps."""
+    g = torch.Generator().manual_seed(heads)
+    for batch in (1, 3, 32, 300):
+        for q_len in (1, 2, 8):
+            for scale in (10, 5000, 300000):
+                kv = (torch.rand(batch, generator=g) * scale).long().clamp(min=q_len).tolist()
+                for causal in (False, True):
+                    count = _fa_common._fa_plan_work_count([q_len] * batch, kv, heads, 132, causal)
+                    assert count <= flashinfer_fa.work_items_bound(batch, q_len, heads, 132), (batch, q_len, kv)

@@ -47,7 +47,7 @@ def main() -> int:
     pieces = {
         "pinned empty 8 MiB": lambda: torch.empty(fa.INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True),
         f"pinned empty {staged} B": lambda: torch.empty(staged, dtype=torch.uint8, pin_memory=True),
-        "validate_workload": lambda: eng.surface.validate_workload(rows.qo_indptr, rows.kv_len, 128, False, dev,
+        "validate_workload (skipped for decode)": lambda: eng.surface.validate_workload(rows.qo_indptr, rows.kv_len, 128, False, dev,
                                                                    "fa3", torch.bfloat16),
         "native plan only": lambda: raw.plan(*args),
         "staged copy to GPU": lambda: ws[:staged].copy_(scratch[:staged], non_blocking=True),
@@ -55,8 +55,8 @@ def main() -> int:
         "GeneratedFa.plan": lambda: eng.plan(rows, rows.kv_indptr, False, ws),
         "compact kv_indices (public wrapper only)": lambda: rows.kv_indices(ctx, dev),
         "addressing (identity)": lambda: rows.addressing(ctx, dev),
-        "FaStep (rows + plan + workspace)": lambda: fa.FaStep(plan, dev, "fa3", 128, torch.bfloat16, 512, 64, ctx,
-                                                              0.1),
+        "FaStep (rows + plan + workspace)": lambda: fa.FaStep(rows, False, dev, "fa3", 128, torch.bfloat16, 512, 64,
+                                                              (ctx,), 0.1),
     }
     print(f"staged bytes per plan: {staged}")
     print(f"{'piece':40s} {'idle ms':>9s} {'busy GPU ms':>12s}")

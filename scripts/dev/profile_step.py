@@ -46,7 +46,7 @@ def main() -> int:
         batch, context = map(int, cell.split("x"))
         for attn in args.attn:
             model.set_attn_implementation(attn)
-            cache = bc.make_cache("static" if args.graphs else "dynamic", attn, config, context + 8)
+            cache = bc.make_cache("static" if args.graphs else "dynamic", attn, config, context + 4 + 2 * args.steps + 8)
             bc.fill_cache(cache, config, batch, context, dtype, device)
             forward = None
             if args.graphs:
