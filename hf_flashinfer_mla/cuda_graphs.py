@@ -103,7 +103,8 @@ class GraphSlot:
         if self.engine is None or q_len != self.key[8] or ranges.end > self.pitch:
             return
         if self.staging is None:
-            self.staging = torch.empty(fa.INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            pinned = self.device.type == "cuda"
+            self.staging = torch.empty(fa.INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=pinned)
         elif self._staging_read is not None:
             self._staging_read.synchronize()  # its last upload, queued before this step's replay: long done
         rows = fa.rows_from_ranges(ranges, q_len)

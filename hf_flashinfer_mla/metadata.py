@@ -65,9 +65,21 @@ class KVRanges:
 
     first: torch.Tensor  # [B] int64, on the CPU
     end: int
+    first_on_device: torch.Tensor | None = None  # `first` where the mask is built; None: every row starts at 0
 
     def lengths(self) -> torch.Tensor:
         return (self.end - self.first).clamp(min=0)
+
+    def mask(self, batch_size: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+        """The step's ``[B, 1, q_len, kv_len]`` boolean mask, equal to the one ``sdpa_mask`` builds for these rows
+        (a left-padded 2D mask that only grew, under the causal mask), in a handful of ops instead of its dozens:
+        position ``j`` is visible to query token ``i`` when ``first[b] <= j <= end - q_len + i``."""
+        positions = torch.arange(kv_len, device=device)
+        last = torch.arange(self.end - q_len, self.end, device=device)  # the last position each query token sees
+        causal = positions <= last[:, None]  # [q_len, kv_len]
+        if self.first_on_device is None:
+            return causal.expand(batch_size, 1, q_len, kv_len).contiguous()
+        return causal & (positions >= self.first_on_device.view(batch_size, 1, 1, 1))
 
     def same_as(self, other: KVRanges | None) -> bool:
         return other is not None and self.end == other.end and (
@@ -207,7 +219,7 @@ class _GenerateCall:
     mask only grows by ones on the right (or is cropped from the right, in assisted decoding)."""
 
     extending: bool = False
-    padding: tuple | None = None  # (device, batch, first [B] host int64 or None if not left-padded, max(first))
+    padding: tuple | None = None  # (device, batch, `_left_padding`'s answer for that device and batch)
 
 
 _generate_call: contextvars.ContextVar[_GenerateCall | None] = contextvars.ContextVar(
@@ -264,25 +276,25 @@ def install_generate_hooks() -> None:
         GenerationMixin._update_model_kwargs_for_generation = _marks_mask_extension(update)
 
 
-def _read_left_padding(padding_mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``(first [B] host int64, every row is zeros then ones)`` of a 2D mask: one device-to-host copy."""
+def _read_left_padding(padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(first [B] host int64, the same on the mask's device, every row is zeros then ones)`` of a 2D mask: one
+    device-to-host copy."""
     valid = padding_mask.bool()
     first = valid.int().argmax(-1)
     positions = torch.arange(valid.shape[-1], device=valid.device)
     left_padded = valid.any(-1) & (valid == (positions >= first[:, None])).all(-1)
     host = torch.stack([first, left_padded.long()]).cpu()
-    return host[0], bool(host[1].all())
+    return host[0], first.long(), bool(host[1].all())
 
 
 def _left_padding(call: _GenerateCall, padding_mask: torch.Tensor):
-    """``(first, max first)`` of the 2D mask if every row is zeros then ones, else None. Read once per generate()
-    call (the only device sync of its decode steps), then reused."""
+    """``(first on the host, max first, first on the mask's device)`` of the 2D mask if every row is zeros then
+    ones, else None. Read once per generate() call (the only device sync of its decode steps), then reused."""
     device, batch = padding_mask.device, padding_mask.shape[0]
     if call.padding is None or call.padding[:2] != (device, batch):
-        first, left_padded = _read_left_padding(padding_mask)
-        call.padding = (device, batch, first, int(first.max())) if left_padded else (device, batch, None, None)
-    _, _, first, max_first = call.padding
-    return None if first is None else (first, max_first)
+        first, on_device, left_padded = _read_left_padding(padding_mask)
+        call.padding = (device, batch, (first, int(first.max()), on_device) if left_padded else None)
+    return call.padding[2]
 
 
 def host_ranges(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask):
@@ -303,7 +315,7 @@ def host_ranges(batch_size, q_length, kv_length, q_offset, kv_offset, mask_funct
     padding = _left_padding(call, attention_mask)
     if padding is None or padding[1] >= width:
         return None
-    return KVRanges(padding[0], width)
+    return KVRanges(padding[0], width, padding[2])
 
 
 def flashinfer_mla_mask(
@@ -321,28 +333,37 @@ def flashinfer_mla_mask(
 
     This is the once-per-step point: Transformers calls it once per forward (or, with a static cache, once per
     step in ``prepare_inputs_for_generation``, outside any compiled region), and the `StepPlan` attached here is
-    shared by every layer. CUDA-graph slots are re-planned here, before the graph replays.
+    shared by every layer. CUDA-graph slots are re-planned here, before the graph replays. Where the rows are
+    known on the host (`host_ranges`) the mask is built from them (`KVRanges.mask`, the same values as
+    ``sdpa_mask``'s in a few ops).
     """
     decode = q_length <= MAX_DECODE_QUERY
-    mask = sdpa_mask(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        mask_function=mask_function,
-        attention_mask=attention_mask,
-        allow_is_causal_skip=allow_is_causal_skip and not decode,
-        **kwargs,
-    )
-    if not decode or mask is None:
-        return mask
+    compiling = torch.compiler.is_compiling()
+    ranges = None
+    if decode and not compiling:
+        ranges = host_ranges(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+    device = kwargs.get("device", "cpu")
+    if ranges is not None and (ranges.first_on_device is None or ranges.first_on_device.device == torch.device(device)):
+        mask = ranges.mask(batch_size, q_length, kv_length, device)
+    else:
+        mask = sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            allow_is_causal_skip=allow_is_causal_skip and not decode,
+            **kwargs,
+        )
+        if not decode or mask is None:
+            return mask
+        mask = mask.contiguous()
     from . import cuda_graphs  # (cuda_graphs imports this module)
 
-    if torch.compiler.is_compiling():
+    if compiling:
         cuda_graphs.note_mask_built_in_graph()
         return mask
-    mask = mask.contiguous()
-    ranges = host_ranges(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
     cuda_graphs.plan_graph_slots(attach_plan(mask, ranges))
     return mask

@@ -619,3 +619,30 @@ def test_work_items_bound_covers_flashinfers_count(heads):
                 for causal in (False, True):
                     count = _fa_common._fa_plan_work_count([q_len] * batch, kv, heads, 132, causal)
                     assert count <= flashinfer_fa.work_items_bound(batch, q_len, heads, 132), (batch, q_len, kv)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_masks_from_host_ranges_equal_sdpas(seed, monkeypatch):
+    """Inside generate() a decode step's mask is built from its host-known rows (`KVRanges.mask`), not by
+    ``sdpa_mask``: it must be the very tensor sdpa_mask would give, for left padding, 1-8 query tokens, a static
+    cache's unfilled tail, and no 2D mask at all."""
+    from transformers.masking_utils import sdpa_mask
+
+    g = torch.Generator().manual_seed(seed)
+    built_by_sdpa = _spy(monkeypatch, metadata, "sdpa_mask")
+    for q_len in (1, 2, 8):
+        batch, width = 3, int(torch.randint(10, 40, (1,), generator=g))
+        kv_len = width + int(torch.randint(0, 5, (1,), generator=g))  # > width: a static cache's tail
+        first = torch.randint(0, width - q_len, (batch,), generator=g)
+        padding = torch.arange(width)[None, :] >= first[:, None]
+        for attention_mask in (padding, None):
+            with _Call():
+                args = dict(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=width - q_len,
+                            attention_mask=attention_mask, device=torch.device("cpu"))
+                if attention_mask is None:
+                    args["kv_length"] = kv_len = width
+                mask = metadata.flashinfer_mla_mask(**args)
+            expected = sdpa_mask(**args, allow_is_causal_skip=False)
+            assert mask.dtype == torch.bool and mask.is_contiguous() and torch.equal(mask, expected), (q_len, first)
+            assert metadata.plan_of(mask).ranges is not None
+    assert built_by_sdpa == []  # every mask above came from the rows

@@ -2,9 +2,9 @@
 # One device call on nvidia-h200-x2 (~9 minutes): two lanes side by side, one per GPU, logs under $OUT.
 #   lane A (GPU 0): A/B of the package at HEAD against an older copy in ab_old/ (git archive REV hf_flashinfer_mla |
 #                   tar x -C ab_old), alternating: eager cells B {1, 32} x ctx {1k, 4k} (two rounds), then CUDA graphs
-#                   at B=32 ctx 4k and B=1 ctx 1k.
+#                   at B=32 ctx 4k; then host time per step and layer at HEAD (bench_host.py).
 #   lane B (GPU 1): HEAD only: the issue-11 eager grid, the CUDA-graph target cell (flashinfer_mla and sdpa),
-#                   DeepSeek-V2-Lite generate() at batch 1, host time per step and layer (bench_host.py).
+#                   DeepSeek-V2-Lite generate() at batch 1.
 # The two lanes share the host (32 cores): A/B ratios are measured within lane A.
 set -u
 O=${OUT:-bench_out}; mkdir -p "$O/json"; O=$(cd "$O" && pwd)
@@ -26,9 +26,10 @@ lane_a() {
   for v in old new; do
     pp=$PYTHONPATH; [ $v = old ] && pp=$ROOT/ab_old:$PYTHONPATH
     echo "== $v graphs" >> "$O/lane_a.txt"
-    PYTHONPATH=$pp run lane_a.txt 150 python3 bench_decode.py --graphs --batch 32 1 --context 4096 1024 --attn flashinfer_mla \
-        --steps 20 --time-limit 130 --out "$O/json" --name ab_graphs_${v}.json
+    PYTHONPATH=$pp run lane_a.txt 110 python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla \
+        --steps 20 --time-limit 90 --out "$O/json" --name ab_graphs_${v}.json
   done
+  run lane_a.txt 60 python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 --out "$O/json"
 }
 lane_b() {
   export CUDA_VISIBLE_DEVICES=1
@@ -37,7 +38,6 @@ lane_b() {
   run lane_b.txt 130 python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
       --steps 10 --time-limit 110 --out "$O/json" --name decode_graphs_target.json
   run lane_b.txt 170 python3 bench_generate.py --model deepseek-v2-lite --prompt 512 --new 128 --batch 1 --out "$O/json"
-  run lane_b.txt 60 python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 --out "$O/json"
 }
 lane_a & lane_b & wait
 (cd "$O" && tar czf json.tgz json && rm -rf json)
