@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Why sdpa's decode steps cost more when the cache grows (as in generate()) than at a fixed length: the host time of
+torch's scaled_dot_product_attention at DeepSeek-V3's decode shape (128 heads, q/k head dim 192, v head dim 128),
+at a fixed key length against a key length that grows by one per call, with each backend torch allows.
+
+    python scripts/dev/sdpa_shapes.py
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def timed(q, k, v, grow: bool, steps: int = 20) -> float:
+    times = []
+    for i in range(steps):
+        n = k.shape[2] - steps + (i if grow else 0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n])
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    for batch, ctx in ((1, 1024), (32, 4096)):
+        q = torch.randn(batch, 128, 1, 192, device=dev, dtype=dt)
+        k = torch.randn(batch, 128, ctx + 20, 192, device=dev, dtype=dt)
+        v = torch.randn(batch, 128, ctx + 20, 128, device=dev, dtype=dt)
+        print(f"B={batch} ctx={ctx}: torch picks {torch._fused_sdp_choice(q, k, v)} "
+              f"(SDPBackend: {[f'{b.name}={b.value}' for b in SDPBackend]})")
+        for name, backends in (("default", None), ("no cuDNN", [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
+                               ("cuDNN only", [SDPBackend.CUDNN_ATTENTION])):
+            for grow in (False, True):
+                try:
+                    if backends is None:
+                        ms = timed(q, k, v, grow)
+                    else:
+                        with sdpa_kernel(backends):
+                            ms = timed(q, k, v, grow)
+                    print(f"  {name:10s} {'growing' if grow else 'fixed':8s} key length: {ms:8.3f} ms per call")
+                except RuntimeError as exc:
+                    print(f"  {name:10s} {'growing' if grow else 'fixed':8s}: {type(exc).__name__}: {str(exc)[:80]}")
+
+
+if __name__ == "__main__":
+    main()
