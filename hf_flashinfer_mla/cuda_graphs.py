@@ -48,9 +48,11 @@ class GraphSlot:
         # the schedule changes per step. The public wrapper (and rows with holes) get explicit indices copied here.
         self.kv_indices = torch.arange(batch * pitch, dtype=torch.int32, device=device)
         self.identity = True
-        self.plan_info = None
-        # The next step's schedule, computed on the host ahead of time (`ahead`): (ranges, q_len, plan info, bytes)
-        # staged in `self.staging`, a pinned scratch of this slot's own, uploaded by `plan` if the rows match.
+        self.plan_info = None  # as FlashInfer returned it (the launch takes it), and as a tuple (to compare)
+        self.layout: tuple | None = None
+        # The next step's schedule, computed on the host ahead of time (`ahead`): (ranges, q_len, plan info, its
+        # layout, bytes staged in `self.staging`, a pinned scratch of this slot's own), uploaded by `plan` if the
+        # rows match.
         self._ahead: tuple | None = None
         self.staging: torch.Tensor | None = None
         self._staging_read = None  # event: the GPU has copied the staging scratch's last schedule
@@ -74,9 +76,9 @@ class GraphSlot:
         new one. Returns the slot (the step's state for it)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0].same_as(plan.ranges) and ahead[1] == plan.q_len:
-            self._staging_read = fa.upload(self.staging, ahead[3], self.int_workspace)
+            self._staging_read = fa.upload(self.staging, ahead[4], self.int_workspace)
             self._set_indices(None)
-            return self._check_layout(ahead[2])
+            return self._check_layout(*ahead[2:4])
         rows = fa.paged_rows(plan, self.device)
         try:
             if self.engine is None:
@@ -93,7 +95,7 @@ class GraphSlot:
             raise RuntimeError(f"FlashInfer refused a CUDA-graph decode plan it was expected to accept: {exc}. "
                                "Run without CUDA graphs (generate(..., disable_compile=True)).") from None
         self._set_indices(indices)
-        return self._check_layout(plan_info)
+        return self._check_layout(plan_info, tuple(plan_info))
 
     def ahead(self, ranges, q_len: int) -> None:
         """Compute the next step's schedule for rows `ranges` now, on the host only: this step's replay still reads
@@ -113,12 +115,12 @@ class GraphSlot:
                                                      self.int_workspace, self.staging)
         except fa.PlanRefused:
             return  # the next step plans (and reports) it itself
-        self._ahead = (ranges, q_len, plan_info, staged)
+        self._ahead = (ranges, q_len, plan_info, tuple(plan_info), staged)  # (reading FlashInfer's array is slow)
 
-    def _check_layout(self, plan_info) -> GraphSlot:
+    def _check_layout(self, plan_info, layout: tuple) -> GraphSlot:
         if self.plan_info is None:
-            self.plan_info = plan_info
-        elif list(plan_info) != list(self.plan_info):
+            self.plan_info, self.layout = plan_info, layout
+        elif layout != self.layout:
             # The captured launch holds the schedule's offsets and grid, fixed for a fixed batch and query shape.
             raise RuntimeError("FlashInfer's MLA schedule layout changed between steps of one CUDA-graph shape")
         return self

@@ -514,7 +514,7 @@ def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch
     out = slot.run(q, torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(32, 1, 32, dtype=torch.float64),
                    torch.randn(32, 1, 8, dtype=torch.float64))
     assert out.shape == q.shape and fa3.runs == 1
-    slot.plan_info = list(slot.plan_info[:-1]) + [1]  # as if FlashInfer's schedule layout moved between steps
+    slot.layout = slot.layout[:-1] + (1,)  # as if FlashInfer's schedule layout moved between steps
     plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool))
     plan.ranges = KVRanges(torch.tensor([3, 0]), 13)
     with pytest.raises(RuntimeError, match="schedule layout"):

@@ -31,8 +31,10 @@ def main() -> None:
         q = torch.randn(batch, 128, 1, 192, device=dev, dtype=dt)
         k = torch.randn(batch, 128, ctx + 20, 192, device=dev, dtype=dt)
         v = torch.randn(batch, 128, ctx + 20, 128, device=dev, dtype=dt)
-        print(f"B={batch} ctx={ctx}: torch picks {torch._fused_sdp_choice(q, k, v)} "
-              f"(SDPBackend: {[f'{b.name}={b.value}' for b in SDPBackend]})")
+        names = {int(b): b.name for b in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                          SDPBackend.CUDNN_ATTENTION)}
+        choice = torch._fused_sdp_choice(q, k, v)
+        print(f"B={batch} ctx={ctx}: torch picks {names.get(int(choice), choice)}")
         for name, backends in (("default", None), ("no cuDNN", [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
                                ("cuDNN only", [SDPBackend.CUDNN_ATTENTION])):
             for grow in (False, True):

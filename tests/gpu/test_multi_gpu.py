@@ -5,6 +5,8 @@ Skipped unless two CUDA devices are visible. Run with ``python -m pytest -q test
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from accelerate import dispatch_model
@@ -19,13 +21,13 @@ DEVICE_MAP = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 
 
 
 def _count_plans(monkeypatch):
-    """Every FlashInfer plan built (one `FaStep` per device, backend and shape that a step needs)."""
+    """The device of every FlashInfer plan built (one `FaStep` per device, backend and shape that a step needs)."""
     planned = []
     real = flashinfer_fa.FaStep.__init__
 
-    def init(self, plan, device, *args, **kwargs):
-        planned.append((plan, device))  # the plan itself: ids of freed plans are reused by later steps
-        real(self, plan, device, *args, **kwargs)
+    def init(self, rows, causal, device, *args, **kwargs):
+        planned.append(str(device))
+        real(self, rows, causal, device, *args, **kwargs)
 
     monkeypatch.setattr(flashinfer_fa.FaStep, "__init__", init)
     return planned
@@ -42,14 +44,10 @@ def test_split_model_matches_single_gpu_and_plans_once_per_device_per_step(monke
     split = _teacher_forced(model, DynamicCache(config=model.config))
     err, top1 = _compare(split, single)
     steps = split.shape[1]
-    per_step = {}
-    for plan, device in planned:
-        per_step.setdefault(id(plan), []).append(device)
     print(f"two GPUs vs one: logits rel err {err:.2e}, top-1 {top1:.3f}; {len(planned)} plans over {steps} steps")
     assert err < LOGIT_TOL and top1 >= TOP1_MIN
     # One plan per device per step: layer 1 receives a copy of the mask on cuda:1 and adopts the step's plan.
-    assert len(planned) == 2 * steps
-    assert all(sorted(map(str, devices)) == ["cuda:0", "cuda:1"] for devices in per_step.values())
+    assert Counter(planned) == {"cuda:0": steps, "cuda:1": steps}
     assert {torch.device("cuda", 0), torch.device("cuda", 1)} <= set(buffers._workspaces)
     if flashinfer_fa.uses_generated_module():
         assert {torch.device("cuda", 0), torch.device("cuda", 1)} <= {key[0] for key in flashinfer_fa._engines}
@@ -59,4 +57,5 @@ def test_split_model_matches_single_gpu_and_plans_once_per_device_per_step(monke
     ids, mask, _ = _prompts()
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=9, do_sample=False)
-    assert len(planned) == 2 * 8
+    # 8 decode steps, each planned while the previous one ran, and one step more planned ahead after the last.
+    assert Counter(planned) == {"cuda:0": 9, "cuda:1": 9}
