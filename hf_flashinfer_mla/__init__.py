@@ -8,11 +8,11 @@ instead of re-expanding the whole history into per-head keys and values on every
 """
 
 from .cache import MLALatentCache, MLALatentLayer
-from .dispatch import BACKENDS, ENV_VAR, backend_and_reason, choose_backend
+from .buffers import multi_ctas_kv_counter_buffer
+from .capabilities import BACKENDS, ENV_VAR, backend_and_reason, choose_backend, trtllm_gen_supports_num_heads
 from .errors import BackendUnavailableError, CacheLayoutError, FlashInferMLAError, UnsupportedModelError
 from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES
 from .registration import register
-from .trtllm import multi_ctas_kv_counter_buffer, trtllm_gen_supports_num_heads
 
 __version__ = "0.1.0"
 

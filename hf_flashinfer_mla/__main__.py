@@ -12,7 +12,7 @@ import importlib.metadata as md
 
 import torch
 
-from . import dispatch
+from . import capabilities as dispatch
 from .errors import BackendUnavailableError
 
 HEADS = (8, 16, 20, 24, 32, 64, 96, 128)

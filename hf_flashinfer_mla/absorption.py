@@ -106,9 +106,38 @@ DEQUANTIZERS: dict[str, Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, t
 }
 
 
+# Quantized linears whose output depends only on their parameters, buffers and training flag (all in the key
+# below), besides every nn.Linear subclass and torch.nn's own modules.
+KNOWN_LINEARS = {
+    "FP8Linear", "Linear4bit", "Linear8bitLt", "QuantLinear", "WQLinear_GEMM", "WQLinear_GEMV", "WQLinear_Exllama",
+    "WQLinear_ExllamaV2", "CompressedLinear", "HQQLinear", "QLinear", "FbgemmFp8Linear",
+}
+
+
+def _is_peft_lora(proj: nn.Module) -> bool:
+    return hasattr(proj, "get_delta_weight") and hasattr(proj, "base_layer") and hasattr(proj, "lora_A")
+
+
+def _peft_state(proj: nn.Module) -> tuple:
+    """What a PEFT LoRA layer's output depends on beyond its tensors: plain attributes (PEFT's switches)."""
+    return (tuple(proj.active_adapters), bool(proj.disable_adapters), tuple(proj.merged_adapters),
+            tuple(sorted((k, float(v)) for k, v in proj.scaling.items())), tuple(sorted(proj.lora_variant)))
+
+
+def _state_is_visible(proj: nn.Module) -> bool:
+    """Whether the key below sees everything `proj` computes with: its tensors and training flags, and PEFT's
+    switches for PEFT layers. Any other module might keep state in plain attributes that no key can see."""
+    for m in proj.modules():
+        if _is_peft_lora(m) or isinstance(m, nn.Linear) or type(m).__name__ in KNOWN_LINEARS:
+            continue
+        if not type(m).__module__.startswith("torch.nn"):
+            return False
+    return True
+
+
 def _source_key(proj: nn.Module, dtype: torch.dtype) -> tuple:
     """Identity and version of everything the module computes with: any change (``load_state_dict``, ``.to()``,
-    an optimizer step, a copy of the module) re-derives the dense copy."""
+    an optimizer step, a copy of the module, a PEFT adapter switched, disabled, merged) re-derives the dense copy."""
     # (a DTensor's own data_ptr() is 0: its local shard is what changes when the weight does)
     tensors = [_local(t) for n, t in proj.named_parameters()]
     tensors += [_local(t) for n, t in proj.named_buffers() if not n.endswith(_DENSE)]
@@ -116,6 +145,7 @@ def _source_key(proj: nn.Module, dtype: torch.dtype) -> tuple:
         dtype,
         tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in tensors),
         tuple(m.training for m in proj.modules()),
+        tuple(_peft_state(m) for m in proj.modules() if _is_peft_lora(m)),
     )
 
 
@@ -125,14 +155,17 @@ def _dense_copy(proj: nn.Module, rank: int, dtype: torch.dtype) -> tuple[torch.T
     cached = getattr(proj, _DENSE, None)
     if cached is not None and getattr(proj, "_flashinfer_mla_dense_key", None) == key:
         return _unpack(cached, proj)
-    dequantize = DEQUANTIZERS.get(type(proj).__name__)
-    if dequantize is not None:
-        weight, bias = dequantize(proj, dtype)
-    else:
-        derived = _from_identity_basis(proj, rank, dtype)
-        if derived is None:
-            return None
-        weight, bias = derived
+    if not _state_is_visible(proj):
+        logger.warning_once(
+            f"flashinfer_mla: kv_b_proj is a {type(proj).__name__}, whose output may depend on state this package "
+            "cannot watch for changes, so its weights are not absorbed (a derived copy could go stale); decode expands "
+            "the latent through the module itself, as sdpa does."
+        )
+        return None
+    derived = _derive(proj, rank, dtype)
+    if derived is None:
+        return None
+    weight, bias = derived
     weight = _local(weight).to(dtype)
     bias = None if bias is None else _local(bias).to(dtype)
     packed = weight if bias is None else torch.cat([weight, bias[:, None]], dim=1)
@@ -144,6 +177,37 @@ def _dense_copy(proj: nn.Module, rank: int, dtype: torch.dtype) -> tuple[torch.T
         f"({packed.numel() * packed.element_size() / 2**20:.1f} MiB per layer that decodes)."
     )
     return _unpack(packed, proj)
+
+
+def _derive(proj: nn.Module, rank: int, dtype: torch.dtype):
+    """``(weight, bias)`` of what `proj` computes, or None where it is not linear."""
+    if _is_peft_lora(proj) and not proj.lora_variant and not proj.training:
+        return _peft_lora_dense(proj, rank, dtype)
+    if _is_plain_linear(proj):
+        return proj.weight, proj.bias
+    dequantize = DEQUANTIZERS.get(type(proj).__name__)
+    if dequantize is not None:
+        return dequantize(proj, dtype)
+    return _from_identity_basis(proj, rank, dtype)
+
+
+def _peft_lora_dense(proj: nn.Module, rank: int, dtype: torch.dtype):
+    """A PEFT LoRA layer as its forward computes it: the base layer, plus each active adapter's
+    ``get_delta_weight`` unless adapters are disabled or merged (merged ones are in the base weight already; disabled
+    ones are taken out of it, as PEFT's forward unmerges them first)."""
+    base = _derive(proj.base_layer, rank, dtype)
+    if base is None:
+        return None
+    weight, bias = _local(base[0]).to(dtype), base[1]
+    if proj.disable_adapters:
+        deltas, sign = list(proj.merged_adapters), -1.0
+    elif proj.merged:
+        deltas, sign = [], 1.0
+    else:
+        deltas, sign = [a for a in proj.active_adapters if a in proj.lora_A], 1.0
+    for adapter in deltas:
+        weight = weight + sign * proj.get_delta_weight(adapter).to(dtype)
+    return weight, bias
 
 
 def _unpack(packed: torch.Tensor, proj: nn.Module):

@@ -5,8 +5,8 @@ Because the model's ``expand_kv`` is hooked (``models.py``), ``key`` and ``value
 
 * Decode (at most `MAX_DECODE_QUERY` query tokens per sequence): absorbed attention straight over the latent.
   ``kv_b_proj`` is applied to the query (W_UK) and to the attention output (W_UV), never to cached tokens.
-  The model's attention call -> the step's plan (``metadata.py``, once per step) -> backend kernel
-  (``dispatch.py``) -> output projection.
+  The model's attention call -> the step's plan (``plan.py``: the route, built once per step) -> the kernel
+  (``kernels/``) -> the output projection.
 * Prefill, training, and longer chunks: the latent is expanded once through the model's own ``expand_kv`` and
   attended with Transformers' SDPA, exactly like ``attn_implementation="sdpa"``.
 """
@@ -19,15 +19,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
 from .absorption import absorb_query, absorbed_weights, project_output
-from .cache import FP8, dequantize_latent, latent_scales
-from .cuda_graphs import mask_planned_outside_graph, plan_always_accepted  # also registers the graph op
-from .dispatch import backend_for_graph, choose_backend, load_backend, requested_backend
+from .cache import FP8, dequantize_latent
+from .capabilities import load_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
-from .flashinfer_fa import cache_rows, fa_backend_for_step, fa_decode
-from .metadata import MAX_DECODE_QUERY, StepPlan, as_bool_mask, step_plan
+from .kernels.graphs import mask_planned_outside_graph
+from .kernels.reference import mla_attention_reference
+from .masks import MAX_DECODE_QUERY
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
-from .reference import mla_attention_reference
-from .trtllm import trtllm_decode
+from .plan import PLAN_ATTR, as_bool_mask, layer_of, step_plan
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
@@ -80,106 +79,47 @@ def flashinfer_mla_attention_forward(
         )
     q_nope, q_pe = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     q_lat = absorb_query(q_nope, weights)
+    grad = torch.is_grad_enabled() and (q_lat.requires_grad or kv_latent.requires_grad or k_rot.requires_grad)
     if torch.compiler.is_compiling():
-        if kv_latent.dtype == FP8:
-            raise CacheLayoutError(
-                "the FP8 latent cache (MLALatentCache(dtype=torch.float8_e4m3fn)) does not run inside torch.compile "
-                "or CUDA graphs yet; generate without compiling, or use the bf16 cache (cache_implementation="
-                '"static") for CUDA graphs.'
-            )
-        dims = (kv_latent.shape[-1], k_rot.shape[-1], weights.num_heads)
-        backend = "reference" if _needs_grad(q_lat, q_pe, kv_latent, k_rot) else backend_for_graph(
-            str(query.device), query.dtype, *dims, mla_backend, load_backend(module.config))
-        o_lat = decode_latent_graph(backend, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale)
+        o_lat = _decode_compiled(module, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad)
     else:
-        plan = step_plan(attention_mask, module)
-        backend, kv_dtype = step_backend(plan, module, q_lat, kv_latent, k_rot, mla_backend, scale)
-        if kv_latent.dtype != kv_dtype:  # an FP8 latent that this backend cannot read in place
-            kv_latent, k_rot = dequantize_latent(kv_latent, k_rot, kv_dtype)
-        o_lat = decode_latent(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
+        plan = getattr(attention_mask, PLAN_ATTR, None)
+        if plan is None:  # a 4D mask of the user's own, or accelerate's copy of the step's mask for another device
+            plan = step_plan(attention_mask, module)
+        else:
+            plan.consumers.add(id(module))
+        # The layer's shape: the key of its route in the step's plan (only the step's first layer of a shape
+        # builds one; the others look it up).
+        key = (q_lat.device, q_lat.dtype, kv_latent.dtype, weights.num_heads, kv_latent.shape[-1], k_rot.shape[-1],
+               kv_latent.stride(0), kv_latent.stride(2), kv_latent.shape[0], scale, mla_backend, grad)
+        route = plan.routes.get(key)
+        if route is None:
+            _check_pitch(kv_latent, k_rot)
+            route = plan.route(key, layer_of(q_lat, kv_latent, k_rot, scale),
+                               requested_backend(mla_backend, module.config), grad)
+        o_lat = route.run(q_lat, q_pe, kv_latent, k_rot)
     return project_output(o_lat, weights), None
 
 
-# ----------------------------------------------------------------------------------------------- decode section
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _decode_compiled(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad):
+    """A decode step being traced by torch.compile. generate()'s static-cache graphs receive their mask from outside
+    and run the custom op, which routes each compiled shape on its step's plan; a graph that builds its own mask, or
+    one autograd must differentiate, runs the reference backend inline."""
+    if kv_latent.dtype == FP8:
+        raise CacheLayoutError(
+            "the FP8 latent cache (MLALatentCache(dtype=torch.float8_e4m3fn)) does not run inside torch.compile "
+            "or CUDA graphs yet; generate without compiling, or use the bf16 cache (cache_implementation="
+            '"static") for CUDA graphs.'
+        )
+    if grad or not mask_planned_outside_graph():
+        return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, as_bool_mask(mask), scale)
+    requested = mla_backend or load_backend(module.config) or ""
+    return torch.ops.hf_flashinfer_mla.decode_in_graph(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested)
 
 
-def step_backend(plan: StepPlan, module: nn.Module, q_lat, kv_latent, k_rot, mla_backend, scale):
-    """``(backend, dtype it reads the latent in)`` for this step's layers of this shape: chosen (and for fa3/fa2
-    planned) by the first layer, shared by the others. A plan FlashInfer declines moves the step to fa2 or the
-    reference backend. An FP8 latent is read in place by fa3 (bf16 queries, 512 + 64); anything else reads it
-    dequantized, after one warning.
-
-    A step that autograd must differentiate (a training forward of <= 8 tokens) runs on the reference backend:
-    FlashInfer's kernels have no backward, and gradients must not silently stop at the attention."""
-    device, dtype, heads, rank, rope = q_lat.device, q_lat.dtype, q_lat.shape[1], kv_latent.shape[-1], k_rot.shape[-1]
-    config_value = load_backend(module.config)
-    stored = kv_latent.dtype
-    grad = _needs_grad(q_lat, kv_latent, k_rot)
-
-    def choose():
-        backend = choose_backend(device, dtype, rank, rope, heads, requested_backend(mla_backend, module.config))
-        if grad and backend != "reference":
-            logger.warning_once(
-                f"flashinfer_mla: a decode step ran with autograd recording, so it used the PyTorch reference backend "
-                f"instead of {backend} (FlashInfer's kernels have no backward). For inference, run under "
-                "torch.no_grad() or torch.inference_mode(), as generate() does."
-            )
-            backend = "reference"
-        fp8_in_place = stored == FP8 and backend == "fa3" and dtype == torch.bfloat16
-        read = stored if fp8_in_place else dtype
-        if backend in ("fa3", "fa2"):
-            pitch = cache_rows(kv_latent)[1]
-            backend = fa_backend_for_step(plan, backend, device, heads, dtype, rank, rope, pitch, scale, read)
-        if stored == FP8 and (backend != "fa3" or not fp8_in_place):
-            read = dtype
-            logger.warning_once(
-                f"flashinfer_mla: the {backend} backend cannot read the FP8 latent in place (FlashInfer's fa3 on "
-                f"Hopper with bfloat16 queries can); it dequantizes the whole cached latent on every decode step."
-            )
-        return backend, read
-
-    return plan.state(("backend", device, dtype, stored, rank, rope, heads, mla_backend, config_value, grad), choose)
-
-
-def decode_latent(
-    backend: str,
-    plan: StepPlan,
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_latent: torch.Tensor,
-    k_rot: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Run one backend: ``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output."""
-    if backend in ("fa3", "fa2"):
-        scales = latent_scales(kv_latent) if kv_latent.dtype == FP8 else None
-        return fa_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale,
-                         None if scales is None else (scales.latent, scales.rope))
-    if backend == "reference":
-        return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, plan.mask_on(q_lat.device), scale)
-    return trtllm_decode(backend, plan, q_lat, q_pe, kv_latent, k_rot, scale)
-
-
-def decode_latent_graph(
-    backend: str,
-    mask: torch.Tensor,
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_latent: torch.Tensor,
-    k_rot: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """`decode_latent` inside a compiled graph: the mask tensor stands for the plan (dynamo cannot carry it)."""
-    b, h, sq, _ = q_lat.shape
-    if (
-        backend in ("fa3", "fa2")
-        and mask_planned_outside_graph()
-        and plan_always_accepted(str(q_lat.device), b, sq, h)
-    ):
-        return torch.ops.hf_flashinfer_mla.fa_decode_graph(backend, mask, q_lat, q_pe, kv_latent, k_rot, scale)
-    return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, as_bool_mask(mask), scale)
+def _check_pitch(kv_latent: torch.Tensor, k_rot: torch.Tensor) -> None:
+    if kv_latent.shape[0] > 1 and kv_latent.stride(0) // kv_latent.stride(2) != k_rot.stride(0) // k_rot.stride(2):
+        raise CacheLayoutError("the latent and rope caches disagree on the rows between two sequences")
 
 
 def _check_latent(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from . import dispatch
+from . import capabilities
 
 ROUND_TOKENS = 256  # capacity granularity: a multiple of every trtllm-gen page size (32, 64)
 FP8 = torch.float8_e4m3fn
@@ -77,7 +77,7 @@ def dequantize_latent(kv_latent: torch.Tensor, k_rot: torch.Tensor, dtype: torch
 
 def packed_layout_for(device: torch.device) -> bool:
     """Whether the kernel that decodes on `device` reads packed rows (trtllm-gen on Blackwell)."""
-    return dispatch.device_capability(device) in dispatch.BLACKWELL
+    return capabilities.device_capability(device) in capabilities.BLACKWELL
 
 
 class MLALatentLayer(DynamicLayer):
@@ -209,6 +209,36 @@ class MLALatentLayer(DynamicLayer):
         self._buffers, self._length = None, 0
         self.keys = self.values = None
         self.is_initialized = False
+
+
+class MLAStaticLayer(StaticLayer):
+    """A `StaticLayer` whose latent and rotary key share one packed ``[B, 1, capacity, L + R]`` buffer (the
+    capacity rounded up to `ROUND_TOKENS`): the paged layout trtllm-gen reads, so that ``generate(...,
+    cache_implementation="static")``'s CUDA graphs run trtllm-gen on Blackwell. ``generate()`` builds its static
+    cache with these layers for ``flashinfer_mla`` models on SM100/SM103 (``registration.py``)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, rank = key_states.device, key_states.shape[-1]
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = rank, value_states.shape[-1]
+        capacity = -(-self.max_cache_len // ROUND_TOKENS) * ROUND_TOKENS
+        self.packed = torch.zeros((self.batch_size, 1, capacity, rank + self.v_head_dim), dtype=key_states.dtype,
+                                  device=self.device)
+        self.keys = self.packed[:, :, : self.max_cache_len, :rank]
+        self.values = self.packed[:, :, : self.max_cache_len, rank:]
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():  # as StaticLayer: fixed addresses for CUDA graphs
+            for t in (self.packed, self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    # Transformers' versions replace `keys`/`values` by new tensors, which would unpack them.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self.packed.copy_(self.packed.index_select(0, beam_idx.to(self.device)))
+
+    def offload(self):
+        raise NotImplementedError("the packed static latent cache does not offload; use the dynamic cache")
 
 
 def adopt_latent_layers(cache: DynamicCache, packed: bool | None = None, dtype: torch.dtype | None = None,

@@ -16,24 +16,32 @@ for sub-models (``{"text_config": "flashinfer_mla"}``), gets the same check.
 A forced backend is a runtime setting (``dispatch.py``): ``from_pretrained``/``from_config`` take ``mla_backend=``,
 validate it at the call and keep it on the loaded model's config under a private name that ``to_dict`` (and so
 ``save_pretrained``) drops; ``generate()`` validates its ``mla_backend=`` where it validates every other keyword.
-Finally ``generate()``'s default cache gets this package's latent layers.
+``generate()``'s default cache gets this package's latent layers.
+
+Finally, two patches let a decode step inside ``generate()`` know its rows without a device sync: generate()'s mask
+update hands each 2D mask's `rows.GrowingMask` on to the next, wider mask (and plans the next step there, while the
+GPU runs this one), and Transformers' mask preprocessing carries it over to the boolean copy it makes of the 2D
+mask before calling the mask function.
 """
 
 from __future__ import annotations
 
 import functools
 
-from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, PreTrainedModel
+import torch
+from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, PreTrainedModel, StaticCache, masking_utils
+from transformers.cache_utils import StaticLayer
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
 
 from .attention import flashinfer_mla_attention_forward
-from .cache import adopt_latent_layers
-from .dispatch import LOAD_ATTR, requested_backend, validate_backend
+from .cache import MLAStaticLayer, adopt_latent_layers, packed_layout_for
+from .capabilities import LOAD_ATTR, requested_backend, validate_backend
 from .errors import UnsupportedModelError
-from .metadata import flashinfer_mla_mask, install_generate_hooks
+from .masks import flashinfer_mla_mask
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
+from .rows import GrowingMask
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
@@ -146,21 +154,70 @@ def _validated_generate_kwargs(original):
 
 def _latent_cache_by_default(original):
     # generate() builds `DynamicCache(config=...)` itself; for flashinfer_mla models its full-attention layers are
-    # swapped for `MLALatentLayer` (no per-step history copy). A cache the user passed is left as it is.
+    # swapped for `MLALatentLayer` (no per-step history copy). On Blackwell the static cache it builds for
+    # cache_implementation="static" gets `MLAStaticLayer`s, the packed layout trtllm-gen reads inside CUDA graphs.
+    # A cache the user passed is left as it is.
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # renamed in transformers 5.2x
         if (
-            type(cache) is DynamicCache
-            and not getattr(cache, "_is_user_defined", False)
-            and self.config.get_text_config(decoder=True)._attn_implementation == ATTN_NAME
+            getattr(cache, "_is_user_defined", False)
+            or self.config.get_text_config(decoder=True)._attn_implementation != ATTN_NAME
         ):
+            return result
+        if type(cache) is DynamicCache:
             adopt_latent_layers(cache)
+        elif type(cache) is StaticCache and packed_layout_for(self.device):
+            for i, layer in enumerate(cache.layers):
+                if type(layer) is StaticLayer and not layer.is_initialized:
+                    cache.layers[i] = MLAStaticLayer(layer.max_cache_len)
         return result
 
     _prepare_cache_for_generation._flashinfer_mla_cache = True
     return _prepare_cache_for_generation
+
+
+def _growing_masks(original):
+    # generate() appends ones to its 2D mask after every step (`torch.cat`, a new tensor each time): the only place
+    # where it is known that the next mask is the previous one grown on the right. The previous mask's padding is
+    # read once (after the prefill: one sync, where generate() waits for the first token anyway) and handed on.
+    @functools.wraps(original)
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        old = model_kwargs.get("attention_mask")
+        result = original(self, outputs, model_kwargs, *args, **kwargs)
+        new = result.get("attention_mask") if isinstance(result, dict) else None
+        if (
+            isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.dim() == new.dim() == 2
+            and new.shape[-1] > old.shape[-1]
+            and self.config.get_text_config(decoder=True)._attn_implementation == ATTN_NAME
+        ):
+            growing = GrowingMask.of(old) or GrowingMask.read(old)
+            if growing is not None:
+                grown = growing.grown(new.shape[-1])
+                grown.attach(new)
+                if growing.last_plan is not None:
+                    growing.last_plan.plan_next(grown)  # this step is queued: plan the next while the GPU runs it
+        return result
+
+    _update_model_kwargs_for_generation._flashinfer_mla_rows = True
+    return _update_model_kwargs_for_generation
+
+
+def _rows_kept_on_copies(original):
+    # `create_causal_mask` hands the mask function `attention_mask.to(device, dtype=torch.bool)`, a new tensor:
+    # without this the copy would lose the `GrowingMask` of the mask it was made from.
+    @functools.wraps(original)
+    def _preprocess_mask_arguments(config, inputs_embeds, attention_mask, *args, **kwargs):
+        result = original(config, inputs_embeds, attention_mask, *args, **kwargs)
+        growing = GrowingMask.of(attention_mask) if isinstance(attention_mask, torch.Tensor) else None
+        if growing is not None and isinstance(result[1], torch.Tensor) and result[1] is not attention_mask:
+            if result[1].shape == attention_mask.shape and result[1].device == attention_mask.device:
+                growing.attach(result[1])
+        return result
+
+    _preprocess_mask_arguments._flashinfer_mla_rows = True
+    return _preprocess_mask_arguments
 
 
 def _patch(owner, name: str, wrap, marker: str, unwrap=lambda f: f) -> None:
@@ -173,7 +230,6 @@ def register() -> None:
     """Register ``"flashinfer_mla"`` with Transformers. Importing the package does this; calling it again is a no-op."""
     AttentionInterface.register(ATTN_NAME, flashinfer_mla_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, flashinfer_mla_mask)
-    install_generate_hooks()  # lets the mask function plan generate()'s decode steps without a device sync
     _patch(PreTrainedModel, "_check_and_adjust_attn_implementation", _checked, "_flashinfer_mla_check")
     _patch(PreTrainedModel, "get_correct_attn_implementation", _checked_submodel, "_flashinfer_mla_check")
     for name in ("from_pretrained", "_from_config"):
@@ -181,3 +237,5 @@ def register() -> None:
     _patch(PreTrainedConfig, "to_dict", _not_serialized, "_flashinfer_mla_not_serialized")
     _patch(GenerationMixin, "_validate_model_kwargs", _validated_generate_kwargs, "_flashinfer_mla_backend_check")
     _patch(GenerationMixin, "_prepare_cache_for_generation", _latent_cache_by_default, "_flashinfer_mla_cache")
+    _patch(GenerationMixin, "_update_model_kwargs_for_generation", _growing_masks, "_flashinfer_mla_rows")
+    _patch(masking_utils, "_preprocess_mask_arguments", _rows_kept_on_copies, "_flashinfer_mla_rows")

@@ -222,20 +222,6 @@ def copy_bandwidth(device: torch.device, mib: int = 4096, iters: int = 10) -> fl
     return 2 * n / (statistics.median(times) / 1e3)
 
 
-@contextlib.contextmanager
-def as_in_generate():
-    """Run decode steps the way generate()'s decode loop runs them for flashinfer_mla: the 2D padding mask only
-    grows by ones, so each step's rows are known on the host (no device sync). The scripts drive the model's steps
-    themselves (to time them) and declare it with this scope, as generate() does."""
-    from hf_flashinfer_mla import metadata
-
-    token = metadata._generate_call.set(metadata._GenerateCall(extending=True))
-    try:
-        yield
-    finally:
-        metadata._generate_call.reset(token)
-
-
 def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int, forward=None,
                  mla_backend: str | None = None) -> dict:
     """Time single-token decode steps from `context` cached tokens on, each driven exactly as generate() drives it:
@@ -255,7 +241,7 @@ def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int
     mask = torch.ones(batch, context + 1, dtype=torch.long, device=device)
     extra = {"mla_backend": mla_backend} if mla_backend else {}
     ms, host, peaks, finite = [], [], [], True
-    with torch.inference_mode(), as_in_generate():
+    with torch.inference_mode():
         for i in range(warmup + steps):
             synchronize(device)
             if device.type == "cuda":
@@ -316,7 +302,7 @@ def environment(device: torch.device, args=None) -> dict:
         except Exception as exc:  # noqa: BLE001
             meta[pkg] = f"unavailable ({type(exc).__name__}: {exc})"
     try:
-        from hf_flashinfer_mla import flashinfer_fa
+        from hf_flashinfer_mla.kernels import fa as flashinfer_fa
 
         meta["fa_planner"] = "generated module" if flashinfer_fa.uses_generated_module() else "public wrapper"
     except Exception as exc:  # noqa: BLE001

@@ -49,7 +49,7 @@ def run_cell(model, attn, batch, context, args, device, dtype, floor_bps) -> dic
     try:
         model.set_attn_implementation(attn)
         if attn == "flashinfer_mla":
-            from hf_flashinfer_mla.dispatch import choose_backend, requested_backend
+            from hf_flashinfer_mla.capabilities import choose_backend, requested_backend
 
             rec["mla_backend"] = choose_backend(device, dtype, config.kv_lora_rank, config.qk_rope_head_dim,
                                                 config.num_attention_heads, requested_backend(args.mla_backend))

@@ -30,9 +30,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_flashinfer_mla  # noqa: E402
-from hf_flashinfer_mla.attention import decode_latent  # noqa: E402
 from hf_flashinfer_mla.cache import FP8  # noqa: E402
-from hf_flashinfer_mla.metadata import StepPlan  # noqa: E402
+from hf_flashinfer_mla.plan import StepPlan, decode_latent  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import is_oom  # noqa: E402
@@ -87,7 +86,7 @@ def kernel(args, bandwidth: float) -> list[dict]:
         q_lat = torch.randn(b, h, 1, 512, device=DEV, dtype=BF16) * 0.05
         q_pe = torch.randn(b, h, 1, 64, device=DEV, dtype=BF16) * 0.05
         plan = StepPlan(torch.ones(b, 1, 1, s, dtype=torch.bool, device=DEV))
-        ms = events_ms(lambda: decode_latent("fa3", plan, q_lat, q_pe, layer.keys, layer.values, 192**-0.5))
+        ms = events_ms(lambda: decode_latent(plan, "fa3", q_lat, q_pe, layer.keys, layer.values, 192**-0.5))
         nbytes = b * s * 576 * (1 if dtype == FP8 else 2)
         gbs = nbytes / ms / 1e6
         rows.append({"case": "kernel", "cache": str(dtype).replace("torch.", ""), "batch": b, "heads": h,

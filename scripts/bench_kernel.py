@@ -79,17 +79,21 @@ def kernel_bytes(batch, heads, context, elem) -> int:
 
 
 def step_plan(mask, host_rows: bool):
-    from hf_flashinfer_mla.metadata import KVRanges, StepPlan
+    """A step over every cached position, its rows known on the host (as in generate()) or read off the mask."""
+    from hf_flashinfer_mla.plan import StepPlan
+    from hf_flashinfer_mla.rows import Rows
 
-    plan = StepPlan(mask)
+    rows = None
     if host_rows:
-        plan.ranges = KVRanges(torch.zeros(mask.shape[0], dtype=torch.long), mask.shape[-1])
-    return plan
+        b, context = mask.shape[0], mask.shape[-1]
+        rows = Rows(torch.full((b,), context, dtype=torch.int32), 1, torch.zeros(b, dtype=torch.long), end=context)
+    return StepPlan(mask, rows)
 
 
-def planning_ms(backend, heads, mask, pitch, dtype, device, reps, how) -> float:
+def planning_ms(backend, layer, mask, device, reps, how) -> float:
     """Host ms to plan one step: build its rows and plan FlashInfer, page indices included (median of `reps`)."""
-    from hf_flashinfer_mla import flashinfer_fa
+    from hf_flashinfer_mla.kernels import fa as flashinfer_fa
+    from hf_flashinfer_mla.plan import layer_of
 
     previous = os.environ.get(flashinfer_fa.PLANNER_ENV)
     os.environ[flashinfer_fa.PLANNER_ENV] = "wrapper" if how == "wrapper" else "direct"
@@ -101,7 +105,7 @@ def planning_ms(backend, heads, mask, pitch, dtype, device, reps, how) -> float:
             plan = step_plan(mask, host_rows=how == "host rows")
             bc.synchronize(device)
             t0 = time.perf_counter()
-            flashinfer_fa.fa_step(plan, backend, device, heads, dtype, RANK, ROPE, pitch, (NOPE + ROPE) ** -0.5)
+            flashinfer_fa.build(backend, plan, layer)
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
     finally:
@@ -113,8 +117,8 @@ def planning_ms(backend, heads, mask, pitch, dtype, device, reps, how) -> float:
 
 def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
     from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights, project_output
-    from hf_flashinfer_mla.attention import decode_latent
-    from hf_flashinfer_mla.dispatch import unavailable_reason
+    from hf_flashinfer_mla.capabilities import unavailable_reason
+    from hf_flashinfer_mla.plan import decode_latent, layer_of
 
     batch, context = args.batch, args.context
     elem = torch.empty((), dtype=dtype).element_size()
@@ -132,7 +136,7 @@ def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
     pitch = kv0.stride(0) // kv0.stride(2)
     mask = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
     q_lat = absorb_query(q_nope, weights)
-    f32 = decode_latent("reference", step_plan(mask, True), q_lat.float(), q_pe.float(), kv0.float(), kr0.float(),
+    f32 = decode_latent(step_plan(mask, True), "reference", q_lat.float(), q_pe.float(), kv0.float(), kr0.float(),
                         scale)
     common = dict(heads=heads, batch=batch, context=context, layout=layout, dtype=str(dtype).replace("torch.", ""),
                   cache_copies=copies, pitch=pitch)
@@ -146,17 +150,17 @@ def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
             continue
         try:
             plan = step_plan(mask, True)
-            lat = decode_latent(backend, plan, q_lat, q_pe, kv0, kr0, scale)  # also loads the kernel
+            lat = decode_latent(plan, backend, q_lat, q_pe, kv0, kr0, scale)  # also loads the kernel
             rec["rel_err_vs_fp32"] = rel_err(lat, f32)
             rec["correct"] = rec["rel_err_vs_fp32"] <= REL_TOL.get(dtype, 1e-4)
 
             def kernel(i, plan=plan, backend=backend):
                 kv, kr, _ = caches[i % copies]
-                return decode_latent(backend, plan, q_lat, q_pe, kv, kr, scale)
+                return decode_latent(plan, backend, q_lat, q_pe, kv, kr, scale)
 
             def full(i, plan=plan, backend=backend):
                 kv, kr, _ = caches[i % copies]
-                return project_output(decode_latent(backend, plan, absorb_query(q_nope, weights), q_pe, kv, kr,
+                return project_output(decode_latent(plan, backend, absorb_query(q_nope, weights), q_pe, kv, kr,
                                                     scale), weights)
 
             k_ms = statistics.median(bc.time_ms(kernel, device, args.warmup, args.iters))
@@ -166,8 +170,8 @@ def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
                        of_copy=gbps * 1e9 / copy_bps if copy_bps else None)
             if backend in ("fa2", "fa3"):
                 for how in ("host rows", "mask rows", "wrapper"):
-                    rec[f"plan_ms_{how.replace(' ', '_')}"] = planning_ms(backend, heads, mask, pitch, dtype,
-                                                                          device, args.plan_reps, how)
+                    rec[f"plan_ms_{how.replace(' ', '_')}"] = planning_ms(
+                        backend, layer_of(q_lat, kv0, kr0, scale), mask, device, args.plan_reps, how)
         except Exception as exc:  # noqa: BLE001 - recorded; the other backends still run
             rec.update(bc.failure(exc))
         shown = f"{rec['kernel_ms']:.4f} ms" if rec.get("status") == "ok" else rec.get("status")

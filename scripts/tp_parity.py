@@ -291,7 +291,7 @@ def run_checkpoint(args, ckpt: str, attn_plan: bool, out_path: str) -> None:
         meta["runs"][spec] = {"probe": probe.summary(), "teacher_forced_seconds": tf_s,
                               "tokens": run["tokens"].tolist()}
         if attn == "flashinfer_mla" and device.type == "cuda" and probe.query_heads:
-            from hf_flashinfer_mla.dispatch import choose_backend, requested_backend
+            from hf_flashinfer_mla.capabilities import choose_backend, requested_backend
 
             meta["runs"][spec]["backend_for_local_heads"] = choose_backend(
                 device, dtype, config.kv_lora_rank, config.qk_rope_head_dim, max(probe.query_heads),

@@ -140,15 +140,20 @@ def left_padded_batch(seed: int = 1, lengths=(7, 4, 9)):
     return ids, mask, prompts
 
 
-def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=None, **kwargs) -> torch.Tensor:
+def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=None, as_generate=False,
+                  forward=None, **kwargs) -> torch.Tensor:
     """Prefill `ids` (padded as `mask` says, on either side), then decode; returns the decode logits ``[B, T, V]``.
 
-    Decoding feeds `forced` ``[B, T]`` (teacher forcing), ``chunks[i]`` tokens per forward (one by default), or,
-    without `forced`, the argmax token `steps` times. Positions count the attended tokens, so a right-padded prompt
-    continues after its last real token. `cache` defaults to a fresh `DynamicCache`; `kwargs` go to every forward
-    (e.g. ``mla_backend=``).
+    The one decode loop of the suite. Decoding feeds `forced` ``[B, T]`` (teacher forcing), ``chunks[i]`` tokens per
+    forward (one by default), or, without `forced`, the argmax token `steps` times. Positions count the attended
+    tokens, so a right-padded prompt continues after its last real token. `cache` defaults to a fresh
+    `DynamicCache`; `kwargs` go to every forward (e.g. ``mla_backend=``). ``as_generate=True`` grows the 2D mask
+    through ``generate()``'s own mask update (``_update_model_kwargs_for_generation``), so the steps see what
+    ``generate()``'s steps see (rows known on the host, the next step planned ahead); `forward` (default: the model)
+    runs the decode steps, e.g. a compiled model.
     """
     cache = DynamicCache(config=model.config) if cache is None else cache
+    forward = model if forward is None else forward
     out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache,
                 use_cache=True, **kwargs)
     sizes = list(chunks) if chunks else [1] * (forced.shape[1] if forced is not None else steps)
@@ -156,8 +161,12 @@ def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=
     for n in sizes:
         tokens = forced[:, done : done + n] if forced is not None else out.logits[:, -1:].argmax(-1)
         pos = mask.sum(-1, keepdim=True) + torch.arange(n)
-        mask = torch.cat([mask, torch.ones_like(tokens)], dim=-1)
-        out = model(input_ids=tokens, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, **kwargs)
+        if as_generate:
+            mask = model._update_model_kwargs_for_generation(out, {"attention_mask": mask}, num_new_tokens=n)[
+                "attention_mask"]
+        else:
+            mask = torch.cat([mask, torch.ones_like(tokens)], dim=-1)
+        out = forward(input_ids=tokens, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, **kwargs)
         logits.append(out.logits)
         done += n
     return torch.cat(logits, dim=1)

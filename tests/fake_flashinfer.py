@@ -17,7 +17,8 @@ import pytest
 import torch
 from flashinfer.mla._batch_mla._backends import _capabilities, _fa_common
 
-from hf_flashinfer_mla import buffers, dispatch, flashinfer_fa
+from hf_flashinfer_mla import buffers, capabilities
+from hf_flashinfer_mla.kernels import fa, graphs
 
 PLAN_INFO_LEN = 18  # MLAPlanInfo::ToVector
 
@@ -94,7 +95,7 @@ def _called_from(function: str) -> bool:
 
 
 class FakeSurface(SimpleNamespace):
-    """What `flashinfer_fa.generated_surface` returns, with FlashInfer's real workload validator on a pretend
+    """What `kernels.fa.generated_surface` returns, with FlashInfer's real workload validator on a pretend
     132-SM Hopper (its causal tile bound and work-item capacity are plain Python)."""
 
 
@@ -127,16 +128,18 @@ def fake_hopper(monkeypatch):
     import transformers
 
     surface = make_surface()
-    monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(dispatch, "KERNEL_DTYPES", (torch.float64,))
-    monkeypatch.setattr(dispatch, "KERNEL_DIMS", (32, 8))  # conftest's deepseek_v3 latent
-    monkeypatch.setattr(flashinfer_fa, "generated_surface", lambda: surface)
-    monkeypatch.setattr(flashinfer_fa, "_engines", {})
-    monkeypatch.setattr(flashinfer_fa, "INT_WORKSPACE_BYTES", 1 << 16)
+    monkeypatch.setattr(capabilities, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(capabilities, "KERNEL_DTYPES", (torch.float64,))
+    monkeypatch.setattr(capabilities, "KERNEL_DIMS", (32, 8))  # conftest's deepseek_v3 latent
+    monkeypatch.setattr(fa, "generated_surface", lambda: surface)
+    monkeypatch.setattr(fa, "_engines", {})
+    monkeypatch.setattr(fa, "INT_WORKSPACE_BYTES", 1 << 16)
     monkeypatch.setattr(buffers, "WORKSPACE_BYTES", 1 << 16)
     monkeypatch.setattr(buffers, "_workspaces", {})
+    monkeypatch.setattr(graphs, "_slots", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(_fa_common, "get_device_sm_count", lambda device: 132)
     monkeypatch.setattr(_fa_common, "_get_fa_shared_memory_limits", lambda device: (233472, 232448))
-    monkeypatch.delenv(flashinfer_fa.PLANNER_ENV, raising=False)
+    monkeypatch.delenv(fa.PLANNER_ENV, raising=False)
     transformers.utils.logging.warning_once.cache_clear()
     return surface

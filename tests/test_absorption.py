@@ -19,7 +19,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.integrations import finegrained_fp8
 
-from hf_flashinfer_mla import absorption, reference
+from hf_flashinfer_mla import absorption
+from hf_flashinfer_mla.kernels import reference
 
 NEW_TOKENS = 6
 

@@ -9,10 +9,11 @@ import torch
 from transformers import DeepseekV3Config, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from hf_flashinfer_mla import MLALatentCache, MLALatentLayer, dispatch
+from hf_flashinfer_mla import MLALatentCache, MLALatentLayer, capabilities
 from hf_flashinfer_mla.cache import ROUND_TOKENS, adopt_latent_layers
-from hf_flashinfer_mla.flashinfer_fa import cache_rows
-from hf_flashinfer_mla.trtllm import packed_pages
+from hf_flashinfer_mla.kernels import cache_pitch
+from hf_flashinfer_mla.kernels.fa import cache_rows
+from hf_flashinfer_mla.kernels.trtllm import packed_pages
 
 RANK, ROPE = 512, 64
 
@@ -130,8 +131,8 @@ def test_layout_is_split_buffers():
     assert pair.mla.keys.stride(2) == RANK and pair.mla.values.stride(2) == ROPE  # dense rows, as fa3 reads fastest
     assert packed_pages(pair.mla.keys, pair.mla.values) is None
     # The kernel's row view reads both in place, with the capacity as the pitch between sequences.
-    (ckv, pitch), (kpe, kpe_pitch) = cache_rows(pair.mla.keys), cache_rows(pair.mla.values)
-    assert pitch == kpe_pitch == 2 * ROUND_TOKENS
+    ckv, kpe = cache_rows(pair.mla.keys), cache_rows(pair.mla.values)
+    assert cache_pitch(pair.mla.keys) == cache_pitch(pair.mla.values) == 2 * ROUND_TOKENS
     assert ckv.data_ptr() == latent.data_ptr() and kpe.data_ptr() == rope.data_ptr()
 
 
@@ -141,7 +142,7 @@ def test_layout_follows_the_device_kernel(monkeypatch, capability, expect_packed
     """Packed rows only where trtllm-gen decodes (SM100/SM103), split buffers everywhere else; chosen at the first
     allocation, and an explicit choice wins."""
     seen = []
-    monkeypatch.setattr(dispatch, "device_capability", lambda device: seen.append(device) or capability)
+    monkeypatch.setattr(capabilities, "device_capability", lambda device: seen.append(device) or capability)
     layer = MLALatentLayer()
     layer.update(torch.randn(2, 1, 3, RANK), torch.randn(2, 1, 3, ROPE))
     assert seen == [torch.device("cpu")]

@@ -10,7 +10,7 @@ from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from transformers import StaticCache
 from transformers.masking_utils import create_masks_for_generate
 
-from hf_flashinfer_mla import cuda_graphs
+from hf_flashinfer_mla.kernels import graphs
 
 
 def _decode_steps(forward, model, steps=4):
@@ -39,19 +39,20 @@ def test_decode_step_compiles_with_fullgraph_and_matches_eager_mode():
 
 
 def test_graph_custom_op_is_registered_with_a_fake_implementation():
-    op = torch.ops.hf_flashinfer_mla.fa_decode_graph
+    op = torch.ops.hf_flashinfer_mla.decode_in_graph
     with torch._subclasses.fake_tensor.FakeTensorMode():
         q = torch.empty(2, 4, 1, 512, dtype=torch.bfloat16)
-        # The same argument order as the eager entry point: backend, step (here its mask), operands, scale.
-        out = op("fa3", torch.empty(2, 1, 1, 9, dtype=torch.bool), q, torch.empty(2, 4, 1, 64, dtype=torch.bfloat16),
-                 torch.empty(2, 1, 9, 512, dtype=torch.bfloat16), torch.empty(2, 1, 9, 64, dtype=torch.bfloat16), 0.1)
+        # The step (its mask), the operands, the scale and the requested backend ("" = the default rule).
+        out = op(torch.empty(2, 1, 1, 9, dtype=torch.bool), q, torch.empty(2, 4, 1, 64, dtype=torch.bfloat16),
+                 torch.empty(2, 1, 9, 512, dtype=torch.bfloat16), torch.empty(2, 1, 9, 64, dtype=torch.bfloat16), 0.1,
+                 "")
     assert out.shape == q.shape and out.dtype == q.dtype
 
 
 def test_graphs_that_build_their_own_mask_do_not_use_graph_wrappers():
     # A user-compiled forward traces the mask function: nothing would re-plan FlashInfer before a CUDA-graph replay,
     # so such graphs must take the reference path. generate()'s static-cache graphs get the mask from outside.
-    from hf_flashinfer_mla.cuda_graphs import mask_planned_outside_graph, note_mask_built_in_graph
+    from hf_flashinfer_mla.kernels.graphs import mask_planned_outside_graph, note_mask_built_in_graph
 
     torch._dynamo.reset()
 
@@ -69,49 +70,39 @@ def test_graphs_that_build_their_own_mask_do_not_use_graph_wrappers():
     assert torch.equal(receives_mask(x), x + 1)
 
 
-def _static_steps_as_generate(forward, model, steps=4):
-    """Decode steps over a StaticCache as generate() runs them: the 4D mask (and the planning) built eagerly before
-    each call of `forward`, inside generate()'s decode scope (rows known on the host)."""
-    from hf_flashinfer_mla import metadata
+def _compiled_generate(model, ids, mask, new_tokens):
+    """generate() as it runs with a static cache on a GPU: the decode step compiled (here with aot_eager, on the CPU),
+    the mask built outside the compiled region before every step."""
+    from transformers import CompileConfig
 
-    ids, mask, _ = left_padded_batch()
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 3)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-    token = metadata._generate_call.set(metadata._GenerateCall(extending=True))
-    logits = []
-    try:
-        for _ in range(steps):
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
-            pos = pos[:, -1:] + 1
-            embeds = torch.empty(mask.shape[0], 1, 0, dtype=model.dtype)
-            mask4d = create_masks_for_generate(config=model.config, inputs_embeds=embeds, attention_mask=mask,
-                                               cache=cache, position_ids=pos)
-            out = forward(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask4d, position_ids=pos,
-                          cache=cache, use_cache=True)
-            logits.append(out.logits)
-    finally:
-        metadata._generate_call.reset(token)
-    return torch.cat(logits, 1)
+    config = CompileConfig(backend="aot_eager", fullgraph=True)
+    config._compile_all_devices = True  # Transformers compiles on CUDA only unless told otherwise
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                          cache_implementation="static", compile_config=config, output_logits=True,
+                          return_dict_in_generate=True)
 
 
-def test_compiled_decode_runs_the_graph_op_on_slots_planned_by_the_mask_function(fake_hopper, monkeypatch):
-    """The compiled decode step takes the fa3 graph op (here on FlashInfer's fake, float64 on the CPU): its slot is
-    planned by the mask function before each call (once per step, from rows known on the host) and the result
-    equals the uncompiled step."""
-    monkeypatch.setattr(cuda_graphs, "_slots", {})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+def test_compiled_static_generate_runs_the_graph_op_for_any_sequence_of_shapes(fake_hopper):
+    """Static-cache generate() in one process at batch 1, 4 (left-padded), 2, then 1 again, and with two different
+    max_new_tokens: the compiled steps take the graph op on fa3 (FlashInfer's fake, float64 on the CPU), whose
+    slots the mask function reloads before every step, never crash when torch makes the batch dynamic, and give the
+    tokens and logits of the uncompiled run."""
     torch._dynamo.reset()
     model = make_model("deepseek_v3", first_k_dense_replace=2)
-    with torch.no_grad():
-        eager_mode = _static_steps_as_generate(model, model)
-    fa3 = fake_hopper.modules["fa3"]
-    eager_plans, eager_runs = len(fa3.plans), fa3.runs
-    assert eager_plans == 4 and not cuda_graphs._slots  # eager mode: one plan per step, no graph slots
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
-    with torch.no_grad():  # as in generate()
-        graph_mode = _static_steps_as_generate(compiled, model)
-    assert len(cuda_graphs._slots) == 1  # one decode shape
-    assert len(fa3.plans) - eager_plans == 4  # once per step: the op found its slot planned for the step
-    assert fa3.runs - eager_runs == 4 * model.config.num_hidden_layers
-    assert rel_err(graph_mode, eager_mode) < 1e-10
+    fa3 = fake_hopper.modules
+    runs = []
+    for lengths, new_tokens in (((10,), 4), ((7, 4, 9, 5), 4), ((3, 11), 6), ((12,), 4)):
+        ids, mask, _ = left_padded_batch(lengths=lengths)
+        eager_mode = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                    cache_implementation="static", disable_compile=True, output_logits=True,
+                                    return_dict_in_generate=True)
+        before = fa3["fa3"].runs
+        graph_mode = _compiled_generate(model, ids, mask, new_tokens)
+        runs.append(fa3["fa3"].runs - before)
+        assert torch.equal(graph_mode.sequences, eager_mode.sequences)
+        assert rel_err(torch.stack(graph_mode.logits), torch.stack(eager_mode.logits)) < 1e-10
+    # Every compiled decode step (new_tokens - 1 after the expanded prefill of >8 tokens) ran the kernel in each of
+    # the two layers.
+    assert runs == [2 * (n - 1) for n in (4, 4, 6, 4)]
+    slots = {key[2:] for key, slot in graphs._slots.items()}
+    assert {(1, 1), (4, 1), (2, 1)} <= slots  # one slot per batch size, the first reused by the last call

@@ -18,7 +18,8 @@ from conftest import (
 from transformers import DynamicCache, StaticCache
 
 import hf_flashinfer_mla
-from hf_flashinfer_mla import attention, metadata
+from hf_flashinfer_mla import plan
+from hf_flashinfer_mla.kernels import reference
 
 NEW_TOKENS = 6
 TOL = 1e-6
@@ -76,13 +77,13 @@ def test_multi_token_decode_is_absorbed_and_matches_eager(model_type, monkeypatc
     chunks = (2, 3, 8)
     forced = torch.randint(1, VOCAB, (len(prompts), sum(chunks)), generator=torch.Generator().manual_seed(7))
     queries = []
-    reference = attention.mla_attention_reference
+    original = reference.mla_attention_reference
 
     def spy(q_lat, *args, **kwargs):
         queries.append(q_lat.shape[2])
-        return reference(q_lat, *args, **kwargs)
+        return original(q_lat, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "mla_attention_reference", spy)
+    monkeypatch.setattr(reference, "mla_attention_reference", spy)
     rows, hooks = count_kv_b_proj_rows(model)
     try:
         ours = decode_logits(model, ids, mask, forced=forced, chunks=chunks)
@@ -115,13 +116,13 @@ def test_decode_never_expands_cached_rows(model_type):
 def test_step_plan_built_once_per_forward_step(monkeypatch):
     model = make_model("deepseek_v3", num_hidden_layers=3)
     built = []
-    original = metadata.StepPlan.__init__
+    original = plan.StepPlan.__init__
 
-    def counting_init(self, mask):
+    def counting_init(self, mask, *args, **kwargs):
         built.append(mask.shape)
-        original(self, mask)
+        original(self, mask, *args, **kwargs)
 
-    monkeypatch.setattr(metadata.StepPlan, "__init__", counting_init)
+    monkeypatch.setattr(plan.StepPlan, "__init__", counting_init)
     ids, mask, _ = left_padded_batch()
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     # 4 decode steps after the prefill (whose 9-token query takes the expanded path), 3 layers each: one plan a step.

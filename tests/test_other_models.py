@@ -123,7 +123,7 @@ def test_multimodal_checkpoint_loads_with_flashinfer_mla(tmp_path):
         experts_implementation="eager",
     )
     assert implementations(model) == ("sdpa", "flashinfer_mla", "sdpa")
-    assert hf_flashinfer_mla.dispatch.requested_backend(None, model.config.text_config) == "reference"
+    assert hf_flashinfer_mla.capabilities.requested_backend(None, model.config.text_config) == "reference"
 
 
 @pytest.mark.parametrize("model_type", ["glm5_next", "hy_v4_vl", "mistral_large4", "dots3_note"])

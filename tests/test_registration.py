@@ -13,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla import absorption, attention
-from hf_flashinfer_mla.dispatch import ENV_VAR, requested_backend
+from hf_flashinfer_mla.capabilities import ENV_VAR, requested_backend
 from hf_flashinfer_mla.errors import BackendUnavailableError, CacheLayoutError, UnsupportedModelError
 
 

@@ -1,4 +1,5 @@
-"""The one place that picks the decode backend, from the device, dtype, latent dims and head count.
+"""What runs where: the decode backends, the rule that picks one from the device, dtype, latent dims and head count,
+and the order in which a step falls back when a kernel declines it.
 
 Backends:
   ``fa3``        FlashInfer's Hopper MLA kernel (SM90: H100, H200).
@@ -30,7 +31,6 @@ import torch
 from transformers.utils import logging
 
 from .errors import BackendUnavailableError
-from .trtllm import trtllm_gen_supports_num_heads
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
@@ -42,6 +42,15 @@ BLACKWELL = ((10, 0), (10, 3))
 # Where the load option lives on a loaded model's config: a private attribute that `save_pretrained` drops
 # (registration.py), so that a checkpoint never carries it.
 LOAD_ATTR = "_flashinfer_mla_backend"
+
+
+def trtllm_gen_supports_num_heads(num_heads: int) -> bool:
+    """Whether trtllm-gen can tile `num_heads` query heads: tile 8 up to 8 heads, 16 up to 32, else 64;
+    supported iff ``num_heads % min(num_heads, tile) == 0`` (so 16, 48, 64, 128 are; 24 and 96 are not)."""
+    if num_heads < 1:
+        return False
+    tile = 8 if num_heads <= 8 else 16 if num_heads <= 32 else 64
+    return num_heads % min(num_heads, tile) == 0
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -183,21 +192,15 @@ def choose_backend(
     return backend
 
 
-@torch.compiler.assume_constant_result
-def backend_for_graph(device: str, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, num_heads: int,
-                      requested: str | None, config_value: str | None) -> str:
-    """`choose_backend` evaluated once while a graph is traced (the choice is a constant of the graph)."""
-    value = _resolve(requested, config_value)
-    chosen = choose_backend(torch.device(device), dtype, kv_lora_rank, rope_dim, num_heads, value)
-    if chosen in ("trtllm-gen", "cute-dsl"):
-        if value != "auto":
-            raise BackendUnavailableError(
-                f"mla_backend={value!r} is not supported inside torch.compile / CUDA graphs yet; run without "
-                "compiling (generate(..., disable_compile=True)) or let flashinfer_mla choose."
-            )
-        logger.warning_once(
-            f"flashinfer_mla: {chosen} does not run inside torch.compile / CUDA graphs yet; compiled decode steps use "
-            "the PyTorch reference backend (generate(..., disable_compile=True) keeps the kernel)."
-        )
-        chosen = "reference"
-    return chosen
+def fallbacks(backend: str, device: torch.device, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
+              num_heads: int, fp8_latent: bool) -> tuple[str, ...]:
+    """The backends a step tries, in order, when `backend` declines its plan (FlashInfer's validators, a cache
+    layout trtllm-gen cannot read): fa3 then fa2 where fa2 can run (not for the FP8 latent, whose fa2 module is
+    not built ahead of time), and always the reference last."""
+    chain = [backend]
+    if backend == "fa3" and not fp8_latent and not unavailable_reason("fa2", device, dtype, kv_lora_rank, rope_dim,
+                                                                     num_heads):
+        chain.append("fa2")
+    if backend != "reference":
+        chain.append("reference")
+    return tuple(chain)

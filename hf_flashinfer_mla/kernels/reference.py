@@ -3,12 +3,20 @@
 Runs on any device and dtype and for any latent width (``kv_lora_rank``) or rope width. It is the fallback where
 no FlashInfer kernel serves, and the oracle the kernels are tested against. It follows Transformers' ``eager``
 semantics exactly (masked scores filled with the dtype minimum, softmax in at least float32), so in float64 it
-matches ``eager`` to rounding.
+matches ``eager`` to rounding. Its metadata is the step's boolean mask on the layer's device.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def build(backend: str, step, layer, into=None, staged=None) -> torch.Tensor:
+    return step.mask_on(layer.device)
+
+
+def run(mask, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None) -> torch.Tensor:
+    return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, mask, layer.scale)
 
 
 def mla_attention_reference(

@@ -1,0 +1,44 @@
+"""The decode kernels, one module per family, each split as vLLM's MLA backends and FlashMLA split theirs: a
+*builder* that turns a step's rows into that kernel's metadata once per step and device (``build``), and a *kernel
+call* that only runs (``run(metadata, layer, q_lat, q_pe, kv_latent, k_rot) -> o_lat``), once per layer.
+
+* ``reference``: plain PyTorch, any device, dtype and latent width; the oracle of the others.
+* ``fa``: FlashInfer's fa3 (Hopper) and fa2 (Ampere and newer) MLA kernels.
+* ``trtllm``: FlashInfer's trtllm-gen and cute-dsl kernels (Blackwell).
+* ``graphs``: the one CUDA-graph mechanism every family uses: fixed-address metadata, rebuilt in place.
+
+A builder that cannot serve a step raises `Refused`, with the reason; the step's plan (``plan.py``) then tries the
+next backend of its chain (``capabilities.fallbacks``). Builders read the step through three attributes only
+(``rows()``, ``mask_on(device)``, ``q_len``), so no kernel module imports the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class Refused(Exception):
+    """A kernel declines this step (FlashInfer's validators, a cache layout it cannot read); the message says why."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What a kernel needs to know of one layer's call beyond the step's rows: operands' device, dtypes and dims,
+    the cache's row pitch (rows between two sequences) and whether it stores the latent packed, and the scale."""
+
+    device: torch.device
+    dtype: torch.dtype  # the queries'
+    kv_dtype: torch.dtype  # the cache's, as the kernel reads it (float8_e4m3fn: the FP8 latent, read in place)
+    heads: int
+    rank: int
+    rope: int
+    pitch: int
+    packed: bool
+    scale: float
+
+
+def cache_pitch(latent: torch.Tensor) -> int:
+    """Rows between two sequences of a ``[B, 1, S, D]`` cache view (its capacity per sequence)."""
+    return latent.stride(0) // latent.stride(2) if latent.shape[0] > 1 else latent.shape[2]

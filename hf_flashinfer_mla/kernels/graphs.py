@@ -1,0 +1,146 @@
+"""Decode inside CUDA graphs (torch.compile, as ``generate(..., cache_implementation="static")`` runs it), for every
+kernel family through one mechanism.
+
+A replayed graph relaunches the kernels without running any Python, so a kernel must find each step's metadata in
+buffers whose addresses never change. A `GraphSlot` holds them for one decode shape (backend, layer, batch, query
+length): each family allocates them (``fixed``: fa2/fa3's schedule workspace and page indices, trtllm-gen's block
+tables, lengths and counter buffer) and its builder rebuilds them in place (``build(..., into=...)``). With a
+static cache Transformers builds the mask in ``prepare_inputs_for_generation``, outside the compiled region; the
+step's plan (``plan.py``) reloads every slot of its shape there, before the replay, stream-ordered.
+
+The slots are a documented process-wide cache, like ``buffers.py``: a captured graph holds their addresses for as
+long as it lives. They hold no step's state beyond what the last step wrote into them.
+
+A shape is captured on a kernel only if no step of that shape can be refused (``refusal_for_every_step``: a replay
+cannot switch backends); any other shape is captured on the reference backend, after one warning.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import weakref
+
+import torch
+from torch._guards import TracingContext
+
+logger = logging.getLogger("hf_flashinfer_mla")
+
+
+class GraphSlot:
+    """Fixed-address metadata of one decode shape on one kernel, rebuilt in place every step."""
+
+    def __init__(self, family, backend: str, layer, batch: int, q_len: int):
+        self.family, self.backend, self.layer, self.batch, self.q_len = family, backend, layer, batch, q_len
+        self.kv_len: int | None = None  # the mask length of the steps it serves (a static cache's length)
+        self.meta = family.fixed(backend, layer, batch, q_len)
+
+    def load(self, step, staged=None) -> None:
+        self.kv_len = step.kv_len
+        self.family.build(self.backend, step, self.layer, into=self.meta, staged=staged)
+
+    def ahead(self, rows):
+        ahead = getattr(self.family, "ahead", None)
+        return None if ahead is None else ahead(self.meta, rows, self.layer)
+
+    def run(self, q_lat, q_pe, kv_latent, k_rot) -> torch.Tensor:
+        return self.family.run(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot)
+
+
+# (backend, layer, batch, q_len) -> its slot, or "reference" for a shape captured on the reference backend.
+_slots: dict[tuple, GraphSlot | str] = {}
+
+
+def slots_for(batch: int, q_len: int, kv_len: int) -> list[tuple[tuple, GraphSlot]]:
+    """The slots a step of this shape must reload before its replay (a static cache's mask spans its capacity)."""
+    return [(key, slot) for key, slot in _slots.items()
+            if isinstance(slot, GraphSlot) and (slot.batch, slot.q_len, slot.kv_len) == (batch, q_len, kv_len)]
+
+
+def captured(key: tuple) -> GraphSlot | str:
+    slot = _slots.get(key)
+    if slot is None:
+        raise RuntimeError("flashinfer_mla: a CUDA graph was captured before its decode ran once eagerly")
+    return slot
+
+
+def slot(key: tuple, family, backend: str, layer, step) -> GraphSlot | str:
+    """The slot of this step's shape, made and first loaded on first use (outside the graph's memory pool: a first
+    plan may allocate too); "reference" where the family may refuse some step of the shape or cannot hold its
+    metadata at fixed addresses."""
+    if key not in _slots:
+        from . import Refused
+
+        batch, q_len = step.batch_size, step.q_len
+        reason = family.refusal_for_every_step(layer, batch, q_len)
+        if reason is None:
+            step.rows()  # read here, on this thread, before the helper thread plans the new slot
+
+            def build():
+                new = GraphSlot(family, backend, layer, batch, q_len)
+                new.load(step)
+                return new
+
+            try:
+                _slots[key] = _outside_graph_pool(layer.device, build)
+            except Refused as exc:
+                reason = str(exc)
+        if reason is not None:
+            logger.warning(
+                "flashinfer_mla: CUDA graphs of this decode shape (batch %d, %d query token(s), %d heads) run on the "
+                "reference backend, not %s: %s; a replayed graph cannot switch backends between steps.",
+                batch, q_len, layer.heads, backend, reason)
+            _slots[key] = "reference"
+    return _slots[key]
+
+
+def _outside_graph_pool(device: torch.device, build):
+    """Run `build` (allocations that live for the process) on a helper thread, and wait for its GPU work.
+
+    torch.compile's CUDA-graph trees route every allocation of the calling thread to the graph's private memory
+    pool during warm-up, and refuse to capture while a tensor from that pool outlives it. A slot's buffers and
+    FlashInfer's workspaces live for the process, so they are allocated from another thread, which the pool does
+    not see.
+    """
+    if device.type != "cuda":
+        return build()
+
+    def run():
+        torch.cuda.set_device(device)
+        result = build()
+        torch.cuda.synchronize(device)
+        return result
+
+    torch.cuda.current_stream(device).synchronize()  # the helper thread reads what this thread's stream wrote
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run).result()
+
+
+# Graphs (by their dynamo tracing context) that build the attention mask themselves.
+_graphs_building_masks: "weakref.WeakSet" = weakref.WeakSet()
+
+
+# These run as plain Python while dynamo traces (their results are constants of the graph; they take no sizes).
+@torch.compiler.assume_constant_result
+def note_mask_built_in_graph() -> bool:
+    """Called by the mask function while dynamo traces it (a user compiled the model's forward itself)."""
+    context = TracingContext.try_get()
+    if context is not None:
+        _graphs_building_masks.add(context)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def mask_planned_outside_graph() -> bool:
+    """Whether the graph being traced receives its mask from outside (as generate() does with a static cache,
+    planning it eagerly each step). Graphs that build their own mask get the reference backend instead: a replayed
+    CUDA graph would otherwise run on the metadata of the step it was captured at."""
+    context = TracingContext.try_get()
+    outside = context is None or context not in _graphs_building_masks
+    if not outside:
+        logger.warning(
+            "flashinfer_mla: this compiled graph builds its own attention mask, so no kernel can be planned before "
+            "each CUDA-graph replay; its decode runs on the PyTorch reference backend. Use generate(..., "
+            'cache_implementation="static"), which compiles the decode step and builds the mask outside the graph.'
+        )
+    return outside

@@ -1,0 +1,149 @@
+"""Blackwell (SM100/SM103) decode: FlashInfer's trtllm-gen MLA kernel, with cute-dsl for head counts it cannot tile.
+
+Follows vLLM's FlashInfer MLA backend (the "seed"): on the trtllm-gen branch a zero-once counter buffer is handed to
+every launch as ``multi_ctas_kv_counter_buffer`` (``buffers.py``; one per device, unlike the seed). Head counts
+trtllm-gen cannot tile (``capabilities.trtllm_gen_supports_num_heads``) go to ``backend="cute-dsl"``, which takes
+no counter buffer: FlashInfer raises when one is given with it.
+
+trtllm-gen reads a *packed* paged cache ``[pages, page_size, kv_lora_rank + rope]``. `MLALatentCache`
+(``cache.py``) stores the latent that way on Blackwell, and ``generate()`` uses it by default under
+``flashinfer_mla``. Its block tables and lengths come from the step's host rows (no sync); the builder refuses a
+cache that is not packed, rows with holes, and left padding that does not start on a page, and the step then runs
+on the reference backend (``plan.py``), never on wrong indices. Inside CUDA graphs (`fixed`) the tables, the
+lengths and the counter buffer are allocated before capture for the shape's worst case, and the kernel is given the
+cache's capacity as its maximum length, so a replay reads only buffers that never move.
+
+This path follows FlashInfer's documented contract but has not run on Blackwell hardware: no such GPU was
+available to the project; a CPU stand-in checks the calls (``tests/test_trtllm.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..buffers import multi_ctas_kv_counter_buffer, workspace_buffer
+from ..rows import to_device
+from . import Refused
+
+PAGE_SIZE = 64  # trtllm-gen takes 32 or 64 tokens per page
+# The counter buffer is sized for at least this many query tokens (batch x tokens per sequence), then in powers of
+# two: at 128 heads that is 512 KiB, so ordinary batches never re-size it and a larger one re-sizes it once per
+# doubling, always before a CUDA graph that uses it is captured.
+COUNTER_MIN_TOKENS = 1024
+
+
+def packed_pages(kv_latent: torch.Tensor, k_rot: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor | None:
+    """A ``[pages, page_size, L + R]`` view of the packed storage behind the two latent views, or None if the
+    cache does not store them packed (adjacent in one row, every sequence starting on a page boundary)."""
+    rank, rope = kv_latent.shape[-1], k_rot.shape[-1]
+    row = rank + rope
+    elem = kv_latent.element_size()
+    packed = (
+        kv_latent.stride(-1) == 1
+        and kv_latent.stride(2) == row
+        and k_rot.stride()[2:] == (row, 1)
+        and k_rot.data_ptr() == kv_latent.data_ptr() + rank * elem
+        and kv_latent.stride(0) % (row * page_size) == 0
+        and kv_latent.storage_offset() % (row * page_size) == 0
+    )
+    if not packed:
+        return None
+    storage_rows = (kv_latent.untyped_storage().nbytes() // elem - kv_latent.storage_offset()) // row
+    pages = storage_rows // page_size
+    return kv_latent.as_strided((pages, page_size, row), (page_size * row, row, 1), kv_latent.storage_offset())
+
+
+def counter_buffer(query_tokens: int, num_heads: int, device: torch.device) -> torch.Tensor:
+    """The trtllm-gen counter buffer of `device`, big enough for `query_tokens` x `num_heads`.
+
+    Sized for a worst case, not for this call: the token count is rounded up to a power of two, at least
+    `COUNTER_MIN_TOKENS`, and the per-device buffer only ever grows. So a decode loop whose batch shrinks or
+    fluctuates reuses one buffer, and the kernel, which resets every counter it used, never needs it re-zeroed.
+    """
+    from flashinfer.utils import get_device_sm_count, get_trtllm_gen_multi_ctas_kv_counter_bytes  # heavy import
+
+    bucket = max(COUNTER_MIN_TOKENS, 1 << max(query_tokens - 1, 0).bit_length())
+    need = get_trtllm_gen_multi_ctas_kv_counter_bytes(bucket, num_heads, get_device_sm_count(device))
+    return multi_ctas_kv_counter_buffer(need, device)
+
+
+@dataclass(eq=False)
+class TrtllmMetadata:
+    backend: str  # "trtllm-gen" or "cute-dsl"
+    block_tables: torch.Tensor  # [B, pages] int32
+    seq_lens: torch.Tensor  # [B] int32
+    max_seq_len: int
+    counter: torch.Tensor | None  # trtllm-gen only
+    fixed: bool = False
+
+
+def _host_tables(rows, layer, pages_per_row: int):
+    """``(block_tables [B, pages_per_row], seq_lens [B])`` on the host for single-run rows starting on a page."""
+    if not layer.packed:
+        raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
+    if rows.first is None:
+        raise Refused("the step's mask has holes (rows that are not one run of positions)")
+    if bool((rows.first % PAGE_SIZE != 0).any()):
+        raise Refused(f"left padding does not start on trtllm-gen's {PAGE_SIZE}-token pages")
+    pitch_pages = layer.pitch // PAGE_SIZE
+    base = torch.arange(rows.batch)[:, None] * pitch_pages + (rows.first // PAGE_SIZE)[:, None]
+    return (base + torch.arange(pages_per_row)[None, :]).to(torch.int32), rows.lens.to(torch.int32)
+
+
+def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=None) -> TrtllmMetadata:
+    """Block tables and lengths of this step (`Refused` where the layout cannot be served); with `into` (a
+    CUDA-graph slot's fixed metadata) they are copied into its buffers, stream-ordered."""
+    rows = step.rows()
+    if into is not None:
+        tables, lens = _host_tables(rows, layer, into.block_tables.shape[1])
+        into.block_tables.copy_(to_device(tables, layer.device), non_blocking=True)
+        into.seq_lens.copy_(to_device(lens, layer.device), non_blocking=True)
+        return into
+    max_len = int(rows.lens.max()) if rows.batch else 0
+    tables, lens = _host_tables(rows, layer, max(1, -(-max_len // PAGE_SIZE)))
+    counter = counter_buffer(rows.batch * rows.q_len, layer.heads, layer.device) if backend == "trtllm-gen" else None
+    return TrtllmMetadata(backend, to_device(tables, layer.device), to_device(lens, layer.device), max_len, counter)
+
+
+def fixed(backend: str, layer, batch: int, q_len: int) -> TrtllmMetadata:
+    """Fixed-address metadata for a CUDA-graph slot: tables over the cache's whole capacity, the capacity as the
+    maximum length, and the device's counter buffer grown now, before capture, for this shape."""
+    if not layer.packed or layer.pitch % PAGE_SIZE:
+        raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
+    i32 = dict(dtype=torch.int32, device=layer.device)
+    counter = counter_buffer(batch * q_len, layer.heads, layer.device) if backend == "trtllm-gen" else None
+    return TrtllmMetadata(backend, torch.zeros(batch, layer.pitch // PAGE_SIZE, **i32), torch.zeros(batch, **i32),
+                          layer.pitch, counter, fixed=True)
+
+
+def refusal_for_every_step(layer, batch: int, q_len: int) -> str | None:
+    return None  # trtllm-gen's refusals are layout refusals, raised by `fixed` and `build`
+
+
+def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None) -> torch.Tensor:
+    """``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output on trtllm-gen (or cute-dsl)."""
+    from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla  # heavy import
+
+    query = torch.cat([q_lat, q_pe], dim=-1).transpose(1, 2).contiguous()  # [B, Sq, H, L + R]
+    if meta.backend == "cute-dsl":
+        kernel = {"backend": "cute-dsl"}  # takes no counter buffer (FlashInfer raises if given one)
+    else:
+        # "auto" lets FlashInfer tune between its runners; the counter is what the trtllm-gen runner counts in.
+        kernel = {"backend": "auto", "multi_ctas_kv_counter_buffer": meta.counter}
+    out = trtllm_batch_decode_with_kv_cache_mla(
+        query=query,
+        kv_cache=packed_pages(kv_latent, k_rot),
+        workspace_buffer=workspace_buffer(layer.device),
+        qk_nope_head_dim=layer.rank,  # unused by the dense path; the absorbed query is kv_lora_rank wide
+        kv_lora_rank=layer.rank,
+        qk_rope_head_dim=layer.rope,
+        block_tables=meta.block_tables,
+        seq_lens=meta.seq_lens,
+        max_seq_len=meta.max_seq_len,
+        bmm1_scale=layer.scale,  # a Python float: a captured graph holds it as a constant
+        bmm2_scale=1.0,
+        **kernel,
+    )  # [B, Sq, H, L]
+    return out.transpose(1, 2)

@@ -1,0 +1,319 @@
+"""The step's plan: the one owner of a decode step's state, built once per forward step and shared by its layers.
+
+Transformers builds one attention mask per forward step and hands the same tensor to every layer. The mask function
+(``masks.py``) attaches a `StepPlan` to that tensor, so the plan lives exactly as long as its step's mask, and two
+forwards (two models, or one model with two caches, inside one ``generate()``) never share one. It holds:
+
+* the step's rows (``rows.py``): known on the host where the 2D mask says so, else read off the mask once;
+* per layer shape (`Layer`), the `Route`: the backend chosen for it and that kernel's metadata, built by the
+  first layer that needs it and run by every layer (`route`, the one place where a kernel's refusal moves a step
+  down ``capabilities.fallbacks``);
+* what it planned ahead for the next step (`plan_next`), handed on through the next 2D mask (``rows.GrowingMask``).
+
+Inside compiled graphs the mask stands for the plan: the custom op `decode_in_graph` routes on the step's plan
+while torch warms the graph up, and runs the CUDA-graph slot chosen then (``kernels/graphs.py``) while it is
+captured; before every replay the plan of the step reloads the slots of its shape (`load_graph_slots`).
+
+Models split across devices (accelerate's ``device_map``) receive at each layer on another device a *copy* of the
+mask, without the plan. Such a copy adopts the plan of its model's current step (`step_plan`) instead of building
+its own, so each device plans once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from . import capabilities
+from .cache import FP8, dequantize_latent, latent_scales
+from .kernels import Layer, Refused, fa, graphs, reference, trtllm
+from .rows import Rows
+
+logger = logging.get_logger("hf_flashinfer_mla")
+
+PLAN_ATTR = "_flashinfer_mla_plan"
+# Each backend's builder and kernel (``kernels/__init__.py`` says what they are).
+FAMILIES = {"reference": reference, "fa3": fa, "fa2": fa, "trtllm-gen": trtllm, "cute-dsl": trtllm}
+
+
+def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as booleans, True = attend. Additive masks (0 = attend, dtype min = masked), as ``eager`` builds
+    them or a user may pass, are converted; boolean masks are returned as they are."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+@dataclass(eq=False)
+class Route:
+    """How the layers of one shape run this step: a backend, the layer spec its builder was given, its metadata,
+    and the dtype to dequantize an FP8 latent to first (None: the kernel reads the cache as stored)."""
+
+    backend: str
+    layer: Layer
+    meta: Any
+    dequantize: torch.dtype | None = None
+
+    def run(self, q_lat, q_pe, kv_latent, k_rot) -> torch.Tensor:
+        scales = None
+        if self.dequantize is not None:
+            kv_latent, k_rot = dequantize_latent(kv_latent, k_rot, self.dequantize)
+        elif kv_latent.dtype == FP8:
+            found = latent_scales(kv_latent)
+            scales = (found.latent, found.rope)
+        return FAMILIES[self.backend].run(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot, scales)
+
+
+class StepPlan:
+    """Everything the decode layers of one forward step share, on every device the model runs on."""
+
+    def __init__(self, mask: torch.Tensor, rows: Rows | None = None, config=None, growing=None):
+        if mask.dim() != 4:
+            raise ValueError(f"expected a 4D attention mask [batch, 1, q_len, kv_len], got shape {tuple(mask.shape)}")
+        self.source_shape, self.source_dtype = tuple(mask.shape), mask.dtype
+        self.mask = as_bool_mask(mask)  # [B, 1, Sq, Skv] bool, True = attend
+        self.batch_size, _, self.q_len, self.kv_len = self.mask.shape
+        self._rows = rows
+        self.config = config  # of the model whose mask function built it (None: a mask from elsewhere)
+        self.routes: dict[tuple, Route] = {}
+        # What the previous step planned for this one, if its rows are these (`plan_next`).
+        ahead = growing.ahead if growing is not None and rows is not None else {}
+        self._ahead = {key: value for key, value in ahead.items() if rows.same_as(value[0])} if ahead else {}
+        self._masks: dict[torch.device, torch.Tensor] = {self.mask.device: self.mask}
+        self._loaded: set[tuple] = set()  # graph slots this step has loaded
+        self.consumers: set[int] = set()  # attention modules that ran on this plan (see `step_plan`)
+
+    # ------------------------------------------------------------------------------------------- what builders read
+    def rows(self) -> Rows:
+        """The step's rows: known on the host (no sync), or read off the mask once."""
+        if self._rows is None:
+            self._rows = Rows.from_mask(self.mask[:, 0, -1, :], self.q_len)
+        return self._rows
+
+    def mask_on(self, device: torch.device) -> torch.Tensor:
+        """The mask on `device` (copied once per device and step, for models split across GPUs)."""
+        if device not in self._masks:
+            self._masks[device] = self.mask.to(device, non_blocking=True)
+        return self._masks[device]
+
+    # ------------------------------------------------------------------------------------------------- routing
+    def route(self, key: tuple, layer: Layer, requested: str, grad: bool) -> Route:
+        """The step's `Route` for layers of this shape, built by the first such layer: the backend `requested`
+        resolves to (``capabilities.choose_backend``), or the next one of its fallback chain that accepts the step.
+
+        A step that autograd must differentiate (a training forward of <= 8 tokens) runs on the reference backend:
+        FlashInfer's kernels have no backward, and gradients must not silently stop at the attention."""
+        route = self.routes.get(key)
+        if route is not None:
+            return route
+        ahead = self._ahead.pop(("route", key), None)
+        if ahead is not None:  # planned by the previous step, for exactly these rows
+            self.routes[key] = ahead[1]
+            return ahead[1]
+        backend = self._backend(layer, requested, grad)
+        refusals = []
+        for candidate in capabilities.fallbacks(backend, layer.device, layer.dtype, layer.rank, layer.rope,
+                                                layer.heads, layer.kv_dtype == FP8):
+            reads = layer if _reads_in_place(candidate, layer) else dataclasses.replace(
+                layer, kv_dtype=layer.dtype, packed=False)
+            try:
+                meta = FAMILIES[candidate].build(candidate, self, reads)
+            except Refused as exc:
+                refusals.append((candidate, str(exc)))
+                continue
+            route = Route(candidate, reads, meta, None if reads is layer else layer.dtype)
+            break
+        _report(refusals, route, self.q_len, layer)
+        self.routes[key] = route
+        return route
+
+    @staticmethod
+    def _backend(layer: Layer, requested: str, grad: bool) -> str:
+        backend = capabilities.choose_backend(layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
+                                              requested)
+        if grad and backend != "reference":
+            logger.warning_once(
+                f"flashinfer_mla: a decode step ran with autograd recording, so it used the PyTorch reference backend "
+                f"instead of {backend} (FlashInfer's kernels have no backward). For inference, run under "
+                "torch.no_grad() or torch.inference_mode(), as generate() does."
+            )
+            return "reference"
+        return backend
+
+    def graph_route(self, key: tuple, layer: Layer, requested: str) -> GraphSlotRoute:
+        """The route of a compiled decode step while torch warms its graph up: the slot of this shape on the backend
+        this step would take (its metadata at fixed addresses, loaded for this step), or the reference backend."""
+        backend = self._backend(layer, requested, False)
+        if layer.kv_dtype == FP8 or backend == "reference":
+            return GraphSlotRoute("reference", None, layer)
+        slot_key = (backend, layer, self.batch_size, self.q_len)
+        fresh = slot_key not in graphs._slots
+        slot = graphs.slot(slot_key, FAMILIES[backend], backend, layer, self)
+        if isinstance(slot, graphs.GraphSlot) and not fresh:
+            self._load(slot_key, slot)
+        else:
+            self._loaded.add(slot_key)
+        return GraphSlotRoute(backend if isinstance(slot, graphs.GraphSlot) else "reference", slot, layer)
+
+    def load_graph_slots(self) -> None:
+        """Reload every CUDA-graph slot of this step's shape with its metadata, before the graph replays (called by
+        the mask function, outside the compiled region)."""
+        for key, slot in graphs.slots_for(self.batch_size, self.q_len, self.kv_len):
+            self._load(key, slot)
+
+    def _load(self, key: tuple, slot) -> None:
+        if key not in self._loaded:
+            staged = self._ahead.pop(("slot", key), (None, None))[1]
+            slot.load(self, staged)
+            self._loaded.add(key)
+
+    # ------------------------------------------------------------------------------------------ planning ahead
+    def plan_next(self, growing) -> None:
+        """Plan the next step now, for the rows of `growing` (the next 2D mask): called by ``generate()``'s mask
+        update once it has queued this step, so that the host plans while the GPU still runs this step (it would
+        otherwise plan after ``generate()`` has waited for this step's tokens). What each kernel can plan ahead
+        (``ahead`` of its family) goes onto `growing`; the next step takes it if its rows are the ones predicted."""
+        rows = growing.rows(self.q_len, self.kv_len) if self._rows is not None and self._rows.end else None
+        if rows is None:
+            return
+        for key, route in self.routes.items():
+            ahead = getattr(FAMILIES[route.backend], "ahead", None)
+            meta = None if ahead is None else ahead(route.meta, rows, route.layer)
+            if meta is not None:
+                growing.ahead[("route", key)] = (rows, dataclasses.replace(route, meta=meta))
+        for key, slot in graphs.slots_for(self.batch_size, self.q_len, self.kv_len):
+            staged = slot.ahead(rows) if key in self._loaded else None
+            if staged is not None:
+                growing.ahead[("slot", key)] = (rows, staged)
+
+    # ---------------------------------------------------------------------------------------- device adoption
+    def adoptable_by(self, mask: torch.Tensor, module) -> bool:
+        """Whether a plan-less `mask` reaching `module` is a copy of this plan's mask made for this very step:
+        it has the plan's shape and dtype, the plan belongs to `module`'s model, and `module` has not run on it
+        yet (a layer that already ran on it is at a new step)."""
+        return (
+            tuple(mask.shape) == self.source_shape
+            and mask.dtype == self.source_dtype
+            and module.config is self.config
+            and id(module) not in self.consumers
+        )
+
+
+@dataclass(eq=False)
+class GraphSlotRoute:
+    backend: str
+    slot: Any
+    layer: Layer
+
+    def run(self, q_lat, q_pe, kv_latent, k_rot, mask) -> torch.Tensor:
+        if self.backend == "reference":
+            return reference.mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, as_bool_mask(mask),
+                                                     self.layer.scale)
+        return self.slot.run(q_lat, q_pe, kv_latent, k_rot)
+
+
+def _reads_in_place(backend: str, layer: Layer) -> bool:
+    """Whether `backend` reads the cache as stored: anything but an FP8 latent, which only fa3 reads in place (bf16
+    queries); every other backend reads it dequantized."""
+    return layer.kv_dtype != FP8 or (backend == "fa3" and layer.dtype == torch.bfloat16)
+
+
+def _report(refusals: list, route: Route, q_len: int, layer: Layer) -> None:
+    """One warning per kind of refusal (numbers folded, so a step of another length does not warn again), and one
+    for an FP8 latent that the chosen kernel reads dequantized."""
+    for backend, reason in refusals:
+        logger.warning_once(
+            f"flashinfer_mla: {backend} declines some decode steps of {q_len} query token(s) at {layer.heads} heads "
+            f"({re.sub(r'[0-9]+', 'N', reason.split(':')[0])}); those steps run on {route.backend}."
+        )
+        logger.debug("flashinfer_mla: %s refused a plan: %s", backend, reason)
+    if route.dequantize is not None:
+        logger.warning_once(
+            f"flashinfer_mla: the {route.backend} backend cannot read the FP8 latent in place (FlashInfer's fa3 on "
+            "Hopper with bfloat16 queries can); it dequantizes the whole cached latent on every decode step."
+        )
+
+
+# The current step of each model (by its config), for plan-less copies of its mask made for layers on another
+# device (weak: a finished step's plan is freed with its mask).
+_current: dict[int, weakref.ref] = {}
+
+
+def attach_plan(mask: torch.Tensor, rows: Rows | None = None, config=None, growing=None) -> StepPlan:
+    """Build the plan for this step's `mask` and attach it to the tensor."""
+    plan = StepPlan(mask, rows, config, growing)
+    setattr(mask, PLAN_ATTR, plan)
+    if config is not None:
+        _current[id(config)] = weakref.ref(plan)
+    return plan
+
+
+def plan_of(mask: torch.Tensor) -> StepPlan | None:
+    return getattr(mask, PLAN_ATTR, None)
+
+
+def step_plan(mask: torch.Tensor, module) -> StepPlan:
+    """The plan of the step `mask` belongs to, as seen by the attention `module`: the one attached to it; for a copy
+    made for another device, the plan of its model's current step; for any other mask (a 4D mask of the user's
+    own) an exact plan of its own."""
+    plan = getattr(mask, PLAN_ATTR, None)
+    if plan is None:
+        ref = _current.get(id(module.config))
+        current = ref() if ref is not None else None
+        if current is not None and current.adoptable_by(mask, module):
+            plan = current
+        else:
+            plan = attach_plan(mask, config=module.config)
+    plan.consumers.add(id(module))
+    return plan
+
+
+def decode_latent(plan: StepPlan, requested: str, q_lat, q_pe, kv_latent, k_rot, scale: float) -> torch.Tensor:
+    """One layer's decode on the step `plan`, routed as the attention function routes it (for benchmarks and
+    tests that drive a kernel without a model): ``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` output."""
+    layer = layer_of(q_lat, kv_latent, k_rot, scale)
+    return plan.route((layer, requested), layer, requested, False).run(q_lat, q_pe, kv_latent, k_rot)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The compiled decode step
+# --------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("hf_flashinfer_mla::decode_in_graph", mutates_args=())
+def decode_in_graph(mask: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_latent: torch.Tensor,
+                    k_rot: torch.Tensor, scale: float, requested: str) -> torch.Tensor:
+    """A decode step inside a compiled graph (opaque to dynamo and inductor, so the graph may have any batch size):
+    while torch warms the graph up it runs eagerly and routes on the step's plan; while it is captured it runs the
+    slot chosen then, whose metadata the mask function reloads before every replay."""
+    layer = layer_of(q_lat, kv_latent, k_rot, scale)
+    key = (layer, q_lat.shape[0], q_lat.shape[2])
+    if layer.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        route = _captured[key]
+    else:
+        # Warm-up (never while capturing: planning from the mask may sync): CUDA-graph trees hand the graph copies
+        # of its inputs, so the mask may have lost its plan; it is then planned from its contents.
+        plan = plan_of(mask) or StepPlan(mask)
+        route = _captured[key] = plan.graph_route(key, layer, capabilities.requested_backend(requested or None))
+    return route.run(q_lat, q_pe, kv_latent, k_rot, mask).contiguous()
+
+
+@decode_in_graph.register_fake
+def _(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested):
+    return torch.empty_like(q_lat, memory_format=torch.contiguous_format)
+
+
+# The route each compiled shape was warmed up with, which its capture records (a documented cache beside
+# `graphs._slots`: it names a slot, and holds no step's state).
+_captured: dict[tuple, GraphSlotRoute] = {}
+
+
+def layer_of(q_lat, kv_latent, k_rot, scale: float) -> Layer:
+    """The `Layer` spec of one call (its cache's pitch and packing read from the views' strides)."""
+    pitch = (kv_latent.stride(0) // kv_latent.stride(2)) if kv_latent.shape[0] > 1 else kv_latent.shape[2]
+    return Layer(q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[1], kv_latent.shape[-1], k_rot.shape[-1],
+                 pitch, trtllm.packed_pages(kv_latent, k_rot) is not None, scale)

@@ -1,0 +1,165 @@
+"""Which cached positions each sequence of a decode step attends to, as host arrays: the one input every kernel's
+metadata is built from.
+
+A kernel's planner (FlashInfer's scheduler, trtllm-gen's block tables) needs each sequence's visible rows on the
+host. Reading them off the step's mask costs a device-to-host copy, a sync that stalls the host until the GPU has
+caught up (`Rows.from_mask`). Inside ``generate()`` the sync is not needed: after the prompt, Transformers only
+appends ones to the 2D padding mask, so a row's visible positions are ``[first_b, W)``, with ``first_b`` (its
+left padding) fixed for the call and ``W`` (the mask's width) a host integer. `GrowingMask` records that on the 2D
+mask it describes, and ``generate()``'s mask update hands it on to the next, wider mask (``registration.py``);
+any other mask (a loop of the user's own, a logits processor's second model, classifier-free guidance's own
+forward) carries none and is read exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def single_runs(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(first, lens, one_run)`` per row of ``valid [B, S]`` (device tensors, no sync): a row is one run when its
+    valid positions are ``[first, first + lens)`` (an empty row is one run of length 0, starting at 0)."""
+    lens = valid.sum(-1, dtype=torch.int32)
+    first = valid.int().argmax(-1)  # 0 for an empty row
+    last = valid.shape[-1] - 1 - valid.flip(-1).int().argmax(-1)
+    return first, lens, (lens == 0) | (last - first + 1 == lens)
+
+
+@dataclass(eq=False)
+class Rows:
+    """The visible rows of the *last* query token of each sequence, on the host; earlier query tokens of the same
+    step (assisted decoding) see a prefix of it, as a causal kernel gives them.
+
+    Single-run rows (every mask Transformers builds) are ``[first[b], first[b] + lens[b])``; a mask with holes keeps
+    its positions on the device (`positions`), and `first` is None."""
+
+    lens: torch.Tensor  # [B] int32, host
+    q_len: int
+    first: torch.Tensor | None  # [B] int64, host
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, position), on the mask's device
+    end: int | None = None  # the common end of every row, when they came from a `GrowingMask`
+
+    @classmethod
+    def from_mask(cls, valid: torch.Tensor, q_len: int) -> Rows:
+        """The rows marked in ``valid [B, S]``: one device-to-host copy of ``3 B`` values (a second, ``nonzero``,
+        only for a mask with holes)."""
+        first, lens, one_run = single_runs(valid)
+        host = torch.stack([lens, first.int(), one_run.int()]).cpu()  # the sync
+        if bool(host[2].all()):
+            return cls(host[0].clone(), q_len, host[1].long())
+        return cls(host[0].clone(), q_len, None, valid.nonzero(as_tuple=True))
+
+    @property
+    def batch(self) -> int:
+        return self.lens.numel()
+
+    def same_as(self, other: Rows | None) -> bool:
+        return (
+            other is not None and self.q_len == other.q_len and self.first is not None and other.first is not None
+            and torch.equal(self.lens, other.lens) and torch.equal(self.first, other.first)
+        )
+
+    def qo_indptr(self) -> torch.Tensor:
+        return torch.arange(self.batch + 1, dtype=torch.int32) * self.q_len
+
+    def kv_indptr(self) -> torch.Tensor:
+        """``[B + 1]`` int32 compact CSR offsets."""
+        indptr = torch.zeros(self.batch + 1, dtype=torch.int32)
+        indptr[1:] = self.lens.cumsum(0)
+        return indptr
+
+    def page_offsets(self, pitch: int) -> torch.Tensor:
+        """``[B + 1]`` int32 offsets of each sequence's rows in a cache whose sequences lie `pitch` rows apart:
+        ``b * pitch + first[b]`` (addressed through an identity page table), compact CSR offsets for rows with
+        holes (addressed through `kv_indices`)."""
+        if self.first is None:
+            return self.kv_indptr()
+        check_int32(self.batch * pitch, self.batch, pitch)
+        offsets = torch.empty(self.batch + 1, dtype=torch.int32)
+        offsets[:-1] = torch.arange(self.batch, dtype=torch.long) * pitch + self.first
+        offsets[-1] = self.batch * pitch
+        return offsets
+
+    def kv_indices(self, pitch: int, device: torch.device) -> torch.Tensor:
+        """``[total]`` int32 row indices on `device` in the compact CSR order (device arithmetic on a copy of ``2 B``
+        host values: no sync)."""
+        if self.first is None:
+            row, pos = self.positions
+            return (row * pitch + pos).to(device=device, dtype=torch.int32)
+        starts = torch.arange(self.batch, dtype=torch.long) * pitch + self.first
+        if self.batch:
+            check_int32(int((starts + self.lens).max()), self.batch, pitch)
+        host = torch.stack([starts - self.kv_indptr()[:-1], self.lens.long()]).to(torch.int32)
+        offsets, lens = to_device(host, device)
+        total = int(self.lens.sum())
+        steps = torch.arange(total, dtype=torch.int32, device=device)
+        return steps + torch.repeat_interleave(offsets, lens, output_size=total)
+
+
+def check_int32(rows: int, batch: int, pitch: int) -> None:
+    if rows >= 2**31:
+        raise ValueError(f"a cache of {batch} x {pitch} rows exceeds the kernels' int32 page indices")
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to `device` without blocking the host (through pinned memory on CUDA)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+@dataclass(eq=False)
+class GrowingMask:
+    """The left padding of a 2D mask that only grows on the right, as ``generate()`` grows it: row ``b``'s valid
+    positions are ``[first[b], width)``. Attached to the mask tensor it describes (`of`, `attach`).
+
+    It also carries what the step over this mask planned ahead for the next one: `last_plan` is the latest step
+    planned over it, and `ahead` the kernel metadata that step built for the next mask (``plan.StepPlan.plan_next``).
+    """
+
+    first: torch.Tensor  # [B] int64, host
+    first_on_device: torch.Tensor  # the same, where the mask lives
+    width: int
+    last_plan: Any = None
+    ahead: dict = field(default_factory=dict)
+
+    ATTR = "_flashinfer_mla_rows"
+
+    @classmethod
+    def read(cls, mask: torch.Tensor) -> GrowingMask | None:
+        """The left padding of a 2D mask whose every row is zeros then ones (one sync), else None."""
+        first, lens, one_run = single_runs(mask.bool())
+        ends_at_width = (first.long() + lens) == mask.shape[-1]
+        host = torch.stack([first.long(), (one_run & ends_at_width & (lens > 0)).long()]).cpu()
+        if not bool(host[1].all()):
+            return None
+        return cls(host[0], first.long(), mask.shape[-1])
+
+    @classmethod
+    def of(cls, mask) -> GrowingMask | None:
+        return getattr(mask, cls.ATTR, None)
+
+    def attach(self, mask: torch.Tensor) -> None:
+        setattr(mask, self.ATTR, self)
+
+    def grown(self, width: int) -> GrowingMask:
+        """The same rows, grown to `width` (the next mask ``generate()`` builds)."""
+        return GrowingMask(self.first, self.first_on_device, width)
+
+    def rows(self, q_len: int, kv_len: int) -> Rows | None:
+        """The step's rows when this mask spans the cache (width <= the cache's length), else None."""
+        if self.width > kv_len or int(self.first.max()) >= self.width:
+            return None
+        return Rows((self.width - self.first).to(torch.int32), q_len, self.first, end=self.width)
+
+    def mask(self, batch_size: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+        """The step's ``[B, 1, q_len, kv_len]`` boolean mask, equal to ``sdpa_mask``'s for these rows under the
+        causal mask, in a handful of ops instead of its dozens: position ``j`` is visible to query token ``i`` when
+        ``first[b] <= j <= width - q_len + i``."""
+        positions = torch.arange(kv_len, device=device)
+        last = torch.arange(self.width - q_len, self.width, device=device)
+        causal = positions <= last[:, None]  # [q_len, kv_len]
+        return causal & (positions >= self.first_on_device.to(device).view(batch_size, 1, 1, 1))
