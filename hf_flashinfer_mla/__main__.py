@@ -12,7 +12,7 @@ import importlib.metadata as md
 
 import torch
 
-from . import capabilities as dispatch
+from . import capabilities
 from .errors import BackendUnavailableError
 
 HEADS = (8, 16, 20, 24, 32, 64, 96, 128)
@@ -35,7 +35,7 @@ def _table(device, rank, rope, requested):
         row = []
         for h in HEADS:
             try:
-                backend, reason = dispatch.backend_and_reason(device, dtype, rank, rope, h, requested)
+                backend, reason = capabilities.backend_and_reason(device, dtype, rank, rope, h, requested)
             except BackendUnavailableError as exc:
                 backend, reason = "error", str(exc)
             row.append(backend)
@@ -63,17 +63,17 @@ def main(argv=None) -> None:
     parser.add_argument("--rope-dim", type=int, default=64)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    requested = dispatch.requested_backend()  # the environment (an unknown value raises here, naming the variable)
+    requested = capabilities.requested_backend()  # the environment (an unknown value raises here, naming the variable)
     rows, notes = _table(device, args.kv_lora_rank, args.rope_dim, requested)
 
     print(f"torch {torch.__version__}, transformers {_version('transformers')}, "
           f"flashinfer-python {_version('flashinfer-python')}, hf-flashinfer-mla {_version('hf-flashinfer-mla')}")
     if device.type == "cuda":
-        cc = dispatch.device_capability(device)
+        cc = capabilities.device_capability(device)
         print(f"device {device}: {torch.cuda.get_device_name(device)}, compute capability {cc[0]}.{cc[1]}")
     else:
         print(f"device {device}: no GPU; every decode runs on the PyTorch reference backend")
-    print(f"requested backend: {requested} (${dispatch.ENV_VAR}; mla_backend=... at load or per call overrides it)")
+    print(f"requested backend: {requested} (${capabilities.ENV_VAR}; mla_backend=... at load or per call overrides it)")
     print(f"latent: kv_lora_rank {args.kv_lora_rank} + rope {args.rope_dim}\n")
     print("decode backend by dtype and number of query heads per device:")
     print(f"{'dtype':<{WIDTH}}" + "".join(f"{f'{h} heads':>{WIDTH}}" for h in HEADS))

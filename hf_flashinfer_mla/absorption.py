@@ -244,18 +244,25 @@ def _from_identity_basis(proj: nn.Module, rank: int, dtype: torch.dtype):
 
 # ------------------------------------------------------------------------------------------------- the two GEMMs
 def absorb_query(q_nope: torch.Tensor, weights: AbsorbedWeights) -> torch.Tensor:
-    """``[B, H, Sq, qk_nope]`` -> latent query ``[B, H, Sq, kv_lora_rank]`` (one batched GEMM over heads)."""
+    """``[B, H, Sq, qk_nope]`` -> latent query ``[H, B * Sq, kv_lora_rank]`` (one batched GEMM over heads).
+
+    The latent operands stay head-major (row ``b * Sq + s``) from here to the projection: FlashInfer's kernels take
+    the strides of their query and output, so no layer copies them into another layout."""
     b, h, s, d = q_nope.shape
-    q = q_nope.permute(1, 0, 2, 3).reshape(h, b * s, d)
-    q_lat = torch.bmm(q, weights.w_uk)  # [H, B*Sq, L]
-    return q_lat.view(h, b, s, -1).permute(1, 0, 2, 3)
+    q = q_nope[:, :, 0].transpose(0, 1) if s == 1 else q_nope.permute(1, 0, 2, 3).reshape(h, b * s, d)
+    return torch.bmm(q, weights.w_uk)  # [H, B*Sq, L]
 
 
-def project_output(o_lat: torch.Tensor, weights: AbsorbedWeights) -> torch.Tensor:
-    """Latent attention output ``[B, H, Sq, kv_lora_rank]`` -> ``[B, Sq, H, v_head_dim]`` (the interface's layout)."""
-    b, h, s, rank = o_lat.shape
-    o = o_lat.permute(1, 0, 2, 3).reshape(h, b * s, rank)
-    out = torch.bmm(o, weights.w_uv.transpose(1, 2))  # [H, B*Sq, dv]
+def rope_rows(q_pe: torch.Tensor) -> torch.Tensor:
+    """``[B, H, Sq, rope]`` -> ``[B * Sq, H, rope]`` (a view for one query token, as decode has)."""
+    b, h, s, r = q_pe.shape
+    return q_pe[:, :, 0] if s == 1 else q_pe.transpose(1, 2).reshape(b * s, h, r)
+
+
+def project_output(o_lat: torch.Tensor, weights: AbsorbedWeights, batch: int) -> torch.Tensor:
+    """Latent attention output ``[H, B * Sq, kv_lora_rank]`` -> ``[B, Sq, H, v_head_dim]`` (the interface's layout)."""
+    h, n, _ = o_lat.shape
+    out = torch.bmm(o_lat, weights.w_uv.transpose(1, 2))  # [H, B*Sq, dv]
     if weights.v_bias is not None:
         out = out + weights.v_bias[:, None, :]
-    return out.view(h, b, s, -1).permute(1, 2, 0, 3)
+    return out.view(h, batch, n // batch, -1).permute(1, 2, 0, 3)

@@ -18,12 +18,12 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
-from .absorption import absorb_query, absorbed_weights, project_output
+from .absorption import absorb_query, absorbed_weights, project_output, rope_rows
 from .cache import FP8, dequantize_latent
 from .capabilities import load_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
 from .kernels.graphs import mask_planned_outside_graph
-from .kernels.reference import mla_attention_reference
+from .kernels import reference
 from .masks import MAX_DECODE_QUERY
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .plan import PLAN_ATTR, as_bool_mask, layer_of, step_plan
@@ -78,7 +78,7 @@ def flashinfer_mla_attention_forward(
             "kv_b_proj must be sharded the same way (both column-wise by heads under tensor parallelism)."
         )
     q_nope, q_pe = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
-    q_lat = absorb_query(q_nope, weights)
+    q_lat, q_pe = absorb_query(q_nope, weights), rope_rows(q_pe)  # [H, B*Sq, L], [B*Sq, H, R]
     grad = torch.is_grad_enabled() and (q_lat.requires_grad or kv_latent.requires_grad or k_rot.requires_grad)
     if torch.compiler.is_compiling():
         o_lat = _decode_compiled(module, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad)
@@ -90,7 +90,7 @@ def flashinfer_mla_attention_forward(
             plan.consumers.add(id(module))
         # The layer's shape: the key of its route in the step's plan (only the step's first layer of a shape
         # builds one; the others look it up).
-        key = (q_lat.device, q_lat.dtype, kv_latent.dtype, weights.num_heads, kv_latent.shape[-1], k_rot.shape[-1],
+        key = (q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[0], kv_latent.shape[-1], k_rot.shape[-1],
                kv_latent.stride(0), kv_latent.stride(2), kv_latent.shape[0], scale, mla_backend, grad)
         route = plan.routes.get(key)
         if route is None:
@@ -98,7 +98,7 @@ def flashinfer_mla_attention_forward(
             route = plan.route(key, layer_of(q_lat, kv_latent, k_rot, scale),
                                requested_backend(mla_backend, module.config), grad)
         o_lat = route.run(q_lat, q_pe, kv_latent, k_rot)
-    return project_output(o_lat, weights), None
+    return project_output(o_lat, weights, query.shape[0]), None
 
 
 def _decode_compiled(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad):
@@ -112,7 +112,7 @@ def _decode_compiled(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_bac
             '"static") for CUDA graphs.'
         )
     if grad or not mask_planned_outside_graph():
-        return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, as_bool_mask(mask), scale)
+        return reference.attend(as_bool_mask(mask), scale, q_lat, q_pe, kv_latent, k_rot)
     requested = mla_backend or load_backend(module.config) or ""
     return torch.ops.hf_flashinfer_mla.decode_in_graph(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested)
 

@@ -179,7 +179,8 @@ class StepPlan:
         update once it has queued this step, so that the host plans while the GPU still runs this step (it would
         otherwise plan after ``generate()`` has waited for this step's tokens). What each kernel can plan ahead
         (``ahead`` of its family) goes onto `growing`; the next step takes it if its rows are the ones predicted."""
-        rows = growing.rows(self.q_len, self.kv_len) if self._rows is not None and self._rows.end else None
+        rows = (growing.rows(self.q_len, max(self.kv_len, growing.width))  # (a dynamic cache grows to the width)
+                if self._rows is not None and self._rows.end else None)
         if rows is None:
             return
         for key, route in self.routes.items():
@@ -213,8 +214,7 @@ class GraphSlotRoute:
 
     def run(self, q_lat, q_pe, kv_latent, k_rot, mask) -> torch.Tensor:
         if self.backend == "reference":
-            return reference.mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, as_bool_mask(mask),
-                                                     self.layer.scale)
+            return reference.run(as_bool_mask(mask), self.layer, q_lat, q_pe, kv_latent, k_rot)
         return self.slot.run(q_lat, q_pe, kv_latent, k_rot)
 
 
@@ -276,9 +276,13 @@ def step_plan(mask: torch.Tensor, module) -> StepPlan:
 
 def decode_latent(plan: StepPlan, requested: str, q_lat, q_pe, kv_latent, k_rot, scale: float) -> torch.Tensor:
     """One layer's decode on the step `plan`, routed as the attention function routes it (for benchmarks and
-    tests that drive a kernel without a model): ``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` output."""
+    tests that drive a kernel without a model): ``[B, H, Sq, L]`` latent query and ``[B, H, Sq, R]`` rotary query
+    -> ``[B, H, Sq, L]`` latent output."""
+    b, h, sq, rank = q_lat.shape
+    q_lat, q_pe = q_lat.transpose(0, 1).reshape(h, b * sq, rank), q_pe.transpose(1, 2).reshape(b * sq, h, -1)
     layer = layer_of(q_lat, kv_latent, k_rot, scale)
-    return plan.route((layer, requested), layer, requested, False).run(q_lat, q_pe, kv_latent, k_rot)
+    out = plan.route((layer, requested), layer, requested, False).run(q_lat, q_pe, kv_latent, k_rot)
+    return out.view(h, b, sq, rank).transpose(0, 1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -291,7 +295,7 @@ def decode_in_graph(mask: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     while torch warms the graph up it runs eagerly and routes on the step's plan; while it is captured it runs the
     slot chosen then, whose metadata the mask function reloads before every replay."""
     layer = layer_of(q_lat, kv_latent, k_rot, scale)
-    key = (layer, q_lat.shape[0], q_lat.shape[2])
+    key = (layer, mask.shape[0], mask.shape[2])
     if layer.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         route = _captured[key]
     else:
@@ -315,5 +319,5 @@ _captured: dict[tuple, GraphSlotRoute] = {}
 def layer_of(q_lat, kv_latent, k_rot, scale: float) -> Layer:
     """The `Layer` spec of one call (its cache's pitch and packing read from the views' strides)."""
     pitch = (kv_latent.stride(0) // kv_latent.stride(2)) if kv_latent.shape[0] > 1 else kv_latent.shape[2]
-    return Layer(q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[1], kv_latent.shape[-1], k_rot.shape[-1],
+    return Layer(q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[0], kv_latent.shape[-1], k_rot.shape[-1],
                  pitch, trtllm.packed_pages(kv_latent, k_rot) is not None, scale)

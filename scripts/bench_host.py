@@ -51,17 +51,49 @@ class LayerClock:
             h.remove()
 
 
+class FunctionClock:
+    """perf_counter around the registered attention function itself: the attention implementation's own share of a
+    layer's host time (for flashinfer_mla: absorption, the step's route, the kernel launch, the projection),
+    listed per call in layer order, so the first layer of a step (which builds the step's metadata) shows apart."""
+
+    def __init__(self, attn: str):
+        from transformers import AttentionInterface
+
+        self.name, self.calls = attn, []
+        self.original = AttentionInterface._global_mapping[attn]
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            out = self.original(*a, **k)
+            self.calls.append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        AttentionInterface._global_mapping[attn] = timed
+
+    def remove(self):
+        from transformers import AttentionInterface
+
+        AttentionInterface._global_mapping[self.name] = self.original
+
+    def split(self, layers: int) -> dict:
+        first = self.calls[::layers]
+        rest = [t for i, t in enumerate(self.calls) if i % layers]
+        return {"function_first_layer_ms": statistics.median(first) if first else None,
+                "function_other_layers_ms": statistics.median(rest) if rest else None}
+
+
 def measure(model, attn, args, device, dtype) -> tuple[dict, str]:
     config = model.config
     model.set_attn_implementation(attn)
     cache = bc.make_cache("dynamic", attn, config, args.context + 8)
     bc.fill_cache(cache, config, args.batch, args.context, dtype, device)
     step = bc.decode_steps(model, cache, args.batch, args.context, args.warmup, args.steps)
-    clock = LayerClock(model)
+    clock, function = LayerClock(model), FunctionClock(attn)
     try:
         bc.decode_steps(model, cache, args.batch, args.context, 0, args.steps)
     finally:
         clock.remove()
+        function.remove()
     layers = {name: statistics.median(ts) for name, ts in clock.times.items()}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         bc.decode_steps(model, cache, args.batch, args.context, 0, 3)
@@ -70,7 +102,8 @@ def measure(model, attn, args, device, dtype) -> tuple[dict, str]:
     rec = {"attn": attn, "status": "ok", "batch": args.batch, "context": args.context, "step_ms": step["ms_median"],
            "step_host_ms": step["host_ms_median"], "per_layer_host_ms": layers,
            "attention_host_ms_mean": statistics.mean(attn_ms),
-           "layer_host_ms_mean": statistics.mean(v for k, v in layers.items() if not k.endswith("attention"))}
+           "layer_host_ms_mean": statistics.mean(v for k, v in layers.items() if not k.endswith("attention")),
+           **function.split(len(model.model.layers))}
     del cache
     bc.free_memory(device)
     return rec, table
@@ -111,14 +144,17 @@ def main(argv=None) -> int:
     rows = []
     for r in payload["results"]:
         if "step_ms" not in r:
-            rows.append([r["attn"], r["status"].upper(), "", "", ""])
+            rows.append([r["attn"], r["status"].upper(), "", "", "", "", ""])
             continue
         rows.append([r["attn"], bc.fmt(r["step_ms"]), bc.fmt(r["step_host_ms"]), bc.fmt(r["layer_host_ms_mean"], ".3f"),
-                     bc.fmt(r["attention_host_ms_mean"], ".3f")])
+                     bc.fmt(r["attention_host_ms_mean"], ".3f"), bc.fmt(r["function_first_layer_ms"], ".3f"),
+                     bc.fmt(r["function_other_layers_ms"], ".3f")])
     print()
-    bc.print_table(["attn", "step ms", "step host ms", "layer host ms", "attention host ms"], rows, [
+    bc.print_table(["attn", "step ms", "step host ms", "layer host ms", "attention host ms", "function 1st layer ms",
+                    "function other layers ms"], rows, [
         f"{args.model}, batch {args.batch}, context {args.context}; host ms = until the host had enqueued the work "
-        "(per layer: mean over layers); profiler tables in host_profile_<attn>.txt"])
+        "(per layer: mean over layers); function = the attention implementation's own call (first layer of a step, "
+        "median of the others); profiler tables in host_profile_<attn>.txt"])
     path = bc.write_json(args.out, args.name, payload)
     if path:
         print(f"wrote {path}")

@@ -7,6 +7,11 @@ call* that only runs (``run(metadata, layer, q_lat, q_pe, kv_latent, k_rot) -> o
 * ``trtllm``: FlashInfer's trtllm-gen and cute-dsl kernels (Blackwell).
 * ``graphs``: the one CUDA-graph mechanism every family uses: fixed-address metadata, rebuilt in place.
 
+Every kernel call takes the latent query head-major, ``q_lat [H, N, L]`` (row ``n = b * Sq + s``), the rotary query
+``q_pe [N, H, R]`` (any strides, last dimension contiguous), the cache views ``[B, 1, S, L]`` / ``[B, 1, S, R]``,
+and returns ``o_lat [H, N, L]``: the layouts absorption produces and the projection reads, so nothing is copied
+between them (FlashInfer's kernels take their query's and output's strides).
+
 A builder that cannot serve a step raises `Refused`, with the reason; the step's plan (``plan.py``) then tries the
 next backend of its chain (``capabilities.fallbacks``). Builders read the step through three attributes only
 (``rows()``, ``mask_on(device)``, ``q_len``), so no kernel module imports the plan.

@@ -236,16 +236,14 @@ class GeneratedFa:
             copied.synchronize()  # a plan two steps ahead of the GPU: wait for the copy of two plans ago
         return turn
 
-    def run(self, plan_info, int_workspace, q_nope, q_rope, ckv, kpe, kv_indices, causal: bool, scale: float,
-            kv_scales=(1.0, 1.0)):
-        out = torch.empty_like(q_nope)
+    def run(self, plan_info, int_workspace, q_nope, q_rope, ckv, kpe, kv_indices, out, causal: bool, scale: float,
+            kv_scales=(1.0, 1.0)) -> None:
         self.module.run(
             self.float_workspace, int_workspace, plan_info, q_nope, q_rope, ckv, kpe, kv_indices, out, None,
             1 if causal else 0,  # flashinfer.utils.MaskMode CAUSAL / NON_CAUSAL
             self.num_heads, 1, scale,  # heads, page size, softmax scale
             False, float(kv_scales[0]), float(kv_scales[1]), None,  # return_lse_base_on_e, ckv/kpe scales, no array
         )
-        return out
 
 
 # A documented cache: the generated module and its pinned scratches of each (device, backend, heads, dtypes, dims),
@@ -417,16 +415,16 @@ def ahead(meta: FaMetadata, rows: Rows, layer):
 
 
 def run(meta: FaMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None) -> torch.Tensor:
-    """``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output. `kv_scales`: the (latent, rope)
+    """The kernel call (``kernels/__init__.py`` gives the operands' layouts). `kv_scales`: the (latent, rope)
     dequantization scales of an FP8 cache, read in place."""
-    b, h, sq, rank = q_lat.shape
-    q_nope = q_lat.transpose(1, 2).reshape(b * sq, h, rank)
-    q_rope = q_pe.transpose(1, 2).reshape(b * sq, h, q_pe.shape[-1])
     ckv, kpe = cache_rows(kv_latent), cache_rows(k_rot)
+    out = torch.empty_like(q_lat)
+    q_nope, o = q_lat.transpose(0, 1), out.transpose(0, 1)  # [N, H, L] views: the kernels take their strides
     if meta.engine is not None:
-        out = meta.engine.run(meta.plan_info, meta.int_workspace, q_nope, q_rope, ckv, kpe, meta.kv_indices,
-                              meta.causal, layer.scale, kv_scales or (1.0, 1.0))
+        meta.engine.run(meta.plan_info, meta.int_workspace, q_nope, q_pe, ckv, kpe, meta.kv_indices, o,
+                        meta.causal, layer.scale, kv_scales or (1.0, 1.0))
     else:
+        # (the public wrapper's contract checks are not read for strided operands: hand it contiguous ones)
         fp8 = {} if kv_scales is None else {"ckv_scale": float(kv_scales[0]), "kpe_scale": float(kv_scales[1])}
-        out = meta.wrapper.run(query=(q_nope, q_rope), kv_cache=(ckv, kpe), **fp8)
-    return out.view(b, sq, h, rank).transpose(1, 2)
+        o.copy_(meta.wrapper.run(query=(q_nope.contiguous(), q_pe.contiguous()), kv_cache=(ckv, kpe), **fp8))
+    return out

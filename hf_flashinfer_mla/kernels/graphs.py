@@ -24,6 +24,8 @@ import weakref
 import torch
 from torch._guards import TracingContext
 
+from . import Refused
+
 logger = logging.getLogger("hf_flashinfer_mla")
 
 
@@ -36,8 +38,17 @@ class GraphSlot:
         self.meta = family.fixed(backend, layer, batch, q_len)
 
     def load(self, step, staged=None) -> None:
+        """This step's metadata into the slot's buffers. A step the kernel declines cannot switch backends in a
+        replayed graph, so it raises, naming the way out (for instance trtllm-gen with left padding that does not
+        start on a page, in a shape captured with aligned rows)."""
         self.kv_len = step.kv_len
-        self.family.build(self.backend, step, self.layer, into=self.meta, staged=staged)
+        try:
+            self.family.build(self.backend, step, self.layer, into=self.meta, staged=staged)
+        except Refused as exc:
+            raise RuntimeError(
+                f"flashinfer_mla: {self.backend} cannot run this step of a CUDA graph captured on it ({exc}), and a "
+                "replayed graph cannot switch backends; generate with disable_compile=True (or without padding) for "
+                "such batches.") from None
 
     def ahead(self, rows):
         ahead = getattr(self.family, "ahead", None)
@@ -57,20 +68,11 @@ def slots_for(batch: int, q_len: int, kv_len: int) -> list[tuple[tuple, GraphSlo
             if isinstance(slot, GraphSlot) and (slot.batch, slot.q_len, slot.kv_len) == (batch, q_len, kv_len)]
 
 
-def captured(key: tuple) -> GraphSlot | str:
-    slot = _slots.get(key)
-    if slot is None:
-        raise RuntimeError("flashinfer_mla: a CUDA graph was captured before its decode ran once eagerly")
-    return slot
-
-
 def slot(key: tuple, family, backend: str, layer, step) -> GraphSlot | str:
     """The slot of this step's shape, made and first loaded on first use (outside the graph's memory pool: a first
     plan may allocate too); "reference" where the family may refuse some step of the shape or cannot hold its
     metadata at fixed addresses."""
     if key not in _slots:
-        from . import Refused
-
         batch, q_len = step.batch_size, step.q_len
         reason = family.refusal_for_every_step(layer, batch, q_len)
         if reason is None:
@@ -78,7 +80,8 @@ def slot(key: tuple, family, backend: str, layer, step) -> GraphSlot | str:
 
             def build():
                 new = GraphSlot(family, backend, layer, batch, q_len)
-                new.load(step)
+                family.build(backend, step, layer, into=new.meta)  # (a first step declined: capture the reference)
+                new.kv_len = step.kv_len
                 return new
 
             try:

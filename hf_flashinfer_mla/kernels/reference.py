@@ -16,7 +16,16 @@ def build(backend: str, step, layer, into=None, staged=None) -> torch.Tensor:
 
 
 def run(mask, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None) -> torch.Tensor:
-    return mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, mask, layer.scale)
+    return attend(mask, layer.scale, q_lat, q_pe, kv_latent, k_rot)
+
+
+def attend(mask, scale: float, q_lat, q_pe, kv_latent, k_rot) -> torch.Tensor:
+    """The kernel call on the operands as every kernel gets them (``kernels/__init__.py``)."""
+    h, n, rank = q_lat.shape
+    b, sq = mask.shape[0], mask.shape[2]
+    out = mla_attention_reference(q_lat.view(h, b, sq, rank).transpose(0, 1), q_pe.view(b, sq, h, -1).transpose(1, 2),
+                                  kv_latent, k_rot, mask, scale)
+    return out.transpose(0, 1).reshape(h, n, rank)
 
 
 def mla_attention_reference(

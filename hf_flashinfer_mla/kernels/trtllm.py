@@ -123,10 +123,12 @@ def refusal_for_every_step(layer, batch: int, q_len: int) -> str | None:
 
 
 def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None) -> torch.Tensor:
-    """``[B, H, Sq, L]`` latent query -> ``[B, H, Sq, L]`` latent output on trtllm-gen (or cute-dsl)."""
+    """The kernel call on trtllm-gen (or cute-dsl); ``kernels/__init__.py`` gives the operands' layouts."""
     from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla  # heavy import
 
-    query = torch.cat([q_lat, q_pe], dim=-1).transpose(1, 2).contiguous()  # [B, Sq, H, L + R]
+    h, n, _ = q_lat.shape
+    b = meta.seq_lens.shape[0]
+    query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1).view(b, n // b, h, -1)  # [B, Sq, H, L + R]
     if meta.backend == "cute-dsl":
         kernel = {"backend": "cute-dsl"}  # takes no counter buffer (FlashInfer raises if given one)
     else:
@@ -146,4 +148,4 @@ def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=No
         bmm2_scale=1.0,
         **kernel,
     )  # [B, Sq, H, L]
-    return out.transpose(1, 2)
+    return out.view(n, h, -1).transpose(0, 1)

@@ -1,0 +1,253 @@
+"""PEFT LoRA adapters on ``kv_b_proj``, the matrix that absorbed decode folds into the query and the output.
+
+A LoRA-wrapped ``kv_b_proj`` is not a plain ``nn.Linear``: absorbed decode needs the dense matrix the wrapper
+computes, which depends on more than the module's tensors: which adapter is active (``set_adapter``), whether
+adapters are disabled (``disable_adapter()``), whether one is merged into the base weight (``merge_adapter`` /
+``unmerge_adapter``). Every decode must use the matrix of the adapter state *at that step*, in one process, on one
+model, however often the state changes.
+
+The oracle is Transformers' ``eager`` on the same PEFT model in the same adapter state (the attention is switched
+through the PEFT wrapper: ``peft_model.set_attn_implementation("eager")`` reaches the base model). The batch is
+unpadded where eager runs batched in float64 (eager turns fully masked left-padding rows into NaN in float64, see
+shared NOTES); ``generate()`` runs a left-padded batch in float32, where batched eager is exact.
+
+Every inference decode here runs under ``torch.no_grad()`` (as generate() does) with 1-token steps: the absorbed
+path, which the tests check by counting the cached rows pushed through ``kv_b_proj`` (only the prefill's).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from conftest import VOCAB, decode_logits, left_padded_batch, make_model, mla_layers, rel_err
+from transformers import DynamicCache
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+# peft 0.21 calls Transformers' deprecated `is_gradient_checkpointing`: not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+TOL64 = 1e-6
+TOL32 = 1e-5
+STEPS = 4  # 1-token decode steps after the prefill
+# PEFT warns about adapter names contained in its "lora_" prefix ("a" is), so the two adapters are named in full.
+FIRST, SECOND = "first", "second"
+
+
+def lora_config() -> LoraConfig:
+    # init_lora_weights=False: random A and B, so that each adapter really changes kv_b_proj (the default B = 0 would
+    # make every adapter state compute the same thing and hide a stale matrix).
+    return LoraConfig(target_modules=["kv_b_proj"], r=4, lora_alpha=8, init_lora_weights=False, task_type="CAUSAL_LM")
+
+
+def peft_model(model_type: str, dtype=torch.float64):
+    """A tiny model of `model_type` with two random LoRA adapters on kv_b_proj, FIRST active."""
+    model = make_model(model_type, dtype=dtype)
+    torch.manual_seed(100)
+    pm = get_peft_model(model, lora_config(), adapter_name=FIRST)
+    torch.manual_seed(101)
+    pm.add_adapter(SECOND, lora_config())
+    assert pm.active_adapter == FIRST
+    return pm.eval()
+
+
+def with_eager(pm, fn):
+    """``fn()`` with eager attention on the same PEFT model (switched back to flashinfer_mla afterwards)."""
+    pm.set_attn_implementation("eager")
+    assert pm.get_base_model().config._attn_implementation == "eager"
+    try:
+        return fn()
+    finally:
+        pm.set_attn_implementation("flashinfer_mla")
+
+
+def count_cached_rows(pm) -> tuple[list[int], list]:
+    """Rows of cached latent pushed through each MLA layer's kv_b_proj (the LoRA wrapper), and the hooks to remove.
+    Only sequence-shaped inputs ([B, 1, S, rank]) count: a derivation of the wrapper's matrix is not a decode."""
+    rows = []
+
+    def hook(mod, args, out):
+        if args[0].dim() >= 3:
+            rows.append(args[0].shape[:-1].numel())
+
+    hooks = [m.kv_b_proj.register_forward_hook(hook) for m in mla_layers(pm)]
+    return rows, hooks
+
+
+def inputs(lengths=(9, 9, 9)):
+    ids, mask, _ = left_padded_batch(lengths=lengths)
+    forced = torch.randint(1, VOCAB, (len(lengths), STEPS), generator=torch.Generator().manual_seed(5))
+    return ids, mask, forced
+
+
+def decode_vs_eager(pm, ids, mask, forced) -> tuple[float, float, torch.Tensor]:
+    """Teacher-forced decode (prefill + `STEPS` 1-token steps) with flashinfer_mla and with eager, in the model's
+    current adapter state: ``(relative error, max abs difference, flashinfer_mla's logits)``. Also checks that the
+    flashinfer_mla decode steps were absorbed (no cached row through kv_b_proj after the prefill)."""
+    rows, hooks = count_cached_rows(pm)
+    try:
+        with torch.no_grad():
+            ours = decode_logits(pm, ids, mask, forced=forced)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sum(rows) == ids.numel() * len(hooks), "decode steps expanded the cache instead of taking the absorbed path"
+    with torch.no_grad():
+        ref = with_eager(pm, lambda: decode_logits(pm, ids, mask, forced=forced))
+    return rel_err(ours, ref), (ours - ref).abs().max().item(), ours
+
+
+def adapter_states(pm):
+    """Walk one PEFT model through its adapter states, in this order, yielding ``(name, context)`` with the model in
+    that state (the context is entered around the decode: `disable_adapter` is a context manager)."""
+    tuner = pm.base_model  # the LoRA tuner: its set_adapter also takes a list of adapters
+    yield FIRST, nullcontext()
+    pm.set_adapter(SECOND)
+    yield SECOND, nullcontext()
+    yield "disabled", pm.disable_adapter()
+    pm.set_adapter(FIRST)
+    yield f"{FIRST} again", nullcontext()
+    tuner.set_adapter([FIRST, SECOND])
+    yield f"{FIRST}+{SECOND}", nullcontext()
+    tuner.set_adapter(FIRST)
+    pm.merge_adapter()
+    yield f"{FIRST} merged", nullcontext()
+    pm.unmerge_adapter()
+    yield f"{FIRST} unmerged", nullcontext()
+    pm.set_adapter(SECOND)
+    pm.merge_adapter()
+    yield f"{SECOND} merged", nullcontext()
+    pm.unmerge_adapter()
+    yield f"{SECOND} unmerged", nullcontext()
+
+
+def test_peft_model_switches_attention_through_the_wrapper():
+    """``set_attn_implementation`` called on the PeftModel reaches the base model (and comes back), which the other
+    tests rely on for their eager oracle."""
+    pm = peft_model("deepseek_v3")
+    assert pm.get_base_model().config._attn_implementation == "flashinfer_mla"
+    pm.set_attn_implementation("eager")
+    assert pm.get_base_model().config._attn_implementation == "eager"
+    pm.set_attn_implementation("flashinfer_mla")
+    assert pm.get_base_model().config._attn_implementation == "flashinfer_mla"
+
+
+def test_adapter_states_decode_like_eager(model_type):
+    """Teacher-forced decode in every adapter state of one PEFT model, one after the other: adapter FIRST,
+    ``set_adapter(SECOND)``, ``disable_adapter()``, back to FIRST, both adapters active, ``merge_adapter()``,
+    ``unmerge_adapter()``, then SECOND merged and unmerged. Each equals eager in the same state (float64).
+
+    Guards against absorbed decode keeping the kv_b_proj matrix of an earlier adapter state (a dense copy
+    re-derived only when some parameter tensor changes: switching, disabling or combining adapters changes no
+    tensor). Every state is checked before failing, so the message lists each state that is wrong.
+    """
+    pm = peft_model(model_type)
+    ids, mask, forced = inputs()
+    results, outputs = {}, {}
+    for name, context in adapter_states(pm):
+        with context:
+            results[name] = decode_vs_eager(pm, ids, mask, forced)
+        outputs[name] = results[name][2]
+    assert len(results) == 9
+    wrong = {name: f"rel {r:.2g}, max |diff| {d:.3g}" for name, (r, d, _) in results.items() if not r < TOL64}
+    assert not wrong, f"flashinfer_mla differs from eager in adapter states {wrong}"
+    # The states really differ (else the comparisons above could not catch a stale matrix), and merging does not
+    # change what an adapter computes.
+    assert rel_err(outputs[FIRST], outputs[SECOND]) > 1e-2
+    assert rel_err(outputs[FIRST], outputs["disabled"]) > 1e-2
+    assert rel_err(outputs[FIRST], outputs[f"{FIRST}+{SECOND}"]) > 1e-2
+    assert rel_err(outputs[f"{FIRST} merged"], outputs[FIRST]) < TOL64
+    assert rel_err(outputs[f"{SECOND} merged"], outputs[SECOND]) < TOL64
+
+
+def generate32(pm, ids, mask):
+    return pm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=STEPS + 1, do_sample=False,
+                       output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_adapter_states_generate_like_eager(model_type):
+    """``generate()`` through the PEFT model on a left-padded batch (float32), adapter FIRST, then SECOND, then with
+    adapters disabled, then FIRST merged: tokens and logits equal batched eager's in the same state. Guards against
+    a stale kv_b_proj matrix reaching generate()'s decode steps."""
+    pm = peft_model(model_type, dtype=torch.float32)
+    ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
+    wrong = {}
+
+    def check(name):
+        ours = generate32(pm, ids, mask)
+        ref = with_eager(pm, lambda: generate32(pm, ids, mask))
+        errs = [rel_err(a, b) for a, b in zip(ours.logits, ref.logits)]
+        if not (max(errs) < TOL32 and torch.equal(ours.sequences, ref.sequences)):
+            diff = max((a - b).abs().max().item() for a, b in zip(ours.logits, ref.logits))
+            wrong[name] = f"max |logit diff| {diff:.3g}, tokens equal: {torch.equal(ours.sequences, ref.sequences)}"
+
+    check(FIRST)
+    pm.set_adapter(SECOND)
+    check(SECOND)
+    with pm.disable_adapter():
+        check("disabled")
+    pm.set_adapter(FIRST)
+    pm.merge_adapter()
+    check(f"{FIRST} merged")
+    pm.unmerge_adapter()
+    assert not wrong, f"flashinfer_mla generate() differs from eager in adapter states {wrong}"
+
+
+# ------------------------------------------------------------------------------------------------------- training
+def lora_grads(pm) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in pm.named_parameters() if p.requires_grad}
+
+
+def train_step_loss(pm, ids, mask, forced) -> torch.Tensor:
+    """A training-mode forward: prefill, then one 1-token decode step on the cache, under autograd; the loss is the
+    cross-entropy of the decode step's prediction plus the prefill's (so the gradient flows through both)."""
+    cache = DynamicCache(config=pm.get_base_model().config)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    pre = pm(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    step_mask = torch.cat([mask, torch.ones_like(forced[:, :1])], dim=-1)
+    out = pm(input_ids=forced[:, :1], attention_mask=step_mask, position_ids=mask.sum(-1, keepdim=True), cache=cache,
+             use_cache=True)
+    loss = torch.nn.functional.cross_entropy(out.logits[:, -1], forced[:, 1])
+    return loss + torch.nn.functional.cross_entropy(pre.logits[:, -1], forced[:, 0])
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_training_through_lora_gives_eager_gradients(model_type):
+    """Train mode, LoRA parameters requiring grad, a prefill then a 1-token decode step under ``torch.enable_grad``:
+    the loss and the gradient of every LoRA parameter equal eager's (float64). Guards against the decode step
+    detaching kv_b_proj (a derived copy carries no gradient to the adapter) or using a stale matrix. Then one SGD
+    step changes the adapter in place, and the next (inference) decode must use the updated adapter."""
+    pm = peft_model(model_type)
+    pm.train()
+    trainable = [p for p in pm.parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n, p in pm.named_parameters() if p.requires_grad)
+    ids, mask, forced = inputs()
+
+    def loss_and_grads():
+        pm.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            loss = train_step_loss(pm, ids, mask, forced)
+            loss.backward()
+        return loss.detach(), lora_grads(pm)
+
+    loss, grads = loss_and_grads()
+    ref_loss, ref_grads = with_eager(pm, loss_and_grads)
+    assert rel_err(loss, ref_loss) < TOL64
+    assert set(grads) == set(ref_grads) and len(grads) == len(trainable)
+    for name, g in grads.items():
+        assert g.abs().max() > 0, f"{name}: no gradient"
+        assert rel_err(g, ref_grads[name]) < TOL64, f"{name}: gradient differs from eager's"
+
+    # One optimizer step updates the LoRA weights in place; inference decode must see the new adapter.
+    before = decode_vs_eager(pm.eval(), ids, mask, forced)[2]
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if p.requires_grad:
+                p.sub_(0.5 * grads[name])
+    rel, diff, after = decode_vs_eager(pm, ids, mask, forced)
+    assert rel < TOL64, f"after an optimizer step: max |diff| {diff:.3g} to eager"
+    assert rel_err(after, before) > 1e-3  # the step really changed the adapter
