@@ -36,6 +36,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from . import capabilities
+from .errors import CacheLayoutError
+from .models import ATTN_NAME
 
 ROUND_TOKENS = 256  # capacity granularity: a multiple of every trtllm-gen page size (32, 64)
 FP8 = torch.float8_e4m3fn
@@ -138,9 +140,11 @@ class MLALatentLayer(DynamicLayer):
         widths = [like_k.shape[-1] + like_v.shape[-1]] if self.packed else [like_k.shape[-1], like_v.shape[-1]]
         dtype = self.storage_dtype or like_k.dtype
         new = tuple(torch.empty((batch, 1, capacity, w), dtype=dtype, device=like_k.device) for w in widths)
-        if old is not None and self._length:
-            for dst, src in zip(new, old):
-                dst[:, :, : self._length] = src[:, :, : self._length]
+        for i, dst in enumerate(new):
+            kept = self._length if old is not None else 0
+            if kept:
+                dst[:, :, :kept] = old[i][:, :, :kept]
+            dst[:, :, kept:].zero_()  # never hand out uninitialised memory, even past the valid rows
         self._buffers = new
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -267,6 +271,10 @@ class MLALatentCache(DynamicCache):
     ``packed`` forces the layout of every layer (None: chosen from the device, see `MLALatentLayer`).
     ``dtype=torch.float8_e4m3fn`` stores the latent in FP8 (see the module docstring); ``scales`` fixes its
     per-layer `LatentScales` (one for all layers, or a sequence indexed by layer) instead of measuring them.
+
+    The cache's layers come from `config`: built from another model's config, it could keep sliding-window layers
+    the model does not have (and truncate its latent) or too few layers, so each layer's first update checks that
+    it receives the latent its config describes, and raises naming both otherwise.
     """
 
     def __init__(self, config=None, packed: bool | None = None, dtype: torch.dtype | None = None, scales=None,
@@ -275,3 +283,40 @@ class MLALatentCache(DynamicCache):
             raise ValueError("MLALatentCache(dtype=torch.float8_e4m3fn) needs the model's config")
         super().__init__(config=config, **kwargs)
         adopt_latent_layers(self, packed, dtype, scales)
+        self._config = None if config is None else config.get_text_config(decoder=True)
+        self._checked: set[int] = set()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx not in self._checked:
+            self._check_layer(key_states, value_states, layer_idx)
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if isinstance(layer, MLALatentLayer) and layer.storage_dtype == FP8:
+            if self._config._attn_implementation != ATTN_NAME:
+                raise CacheLayoutError(
+                    f"an FP8 MLALatentCache is read by attn_implementation={ATTN_NAME!r} only, and this model runs "
+                    f"{self._config._attn_implementation!r}: use {ATTN_NAME!r}, or a bf16 cache (no dtype=) for it."
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_layer(self, key_states, value_states, layer_idx: int) -> None:
+        """The first update of a layer: the states must be the latent the cache's config describes (MLA attention
+        calls update with ``[B, 1, S, kv_lora_rank]`` and ``[B, 1, S, rope]``)."""
+        config, name = self._config, getattr(self._config, "model_type", None)
+        latent = key_states.dim() == 4 and key_states.shape[1] == 1
+        if config is not None and latent:
+            dims = (getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None))
+            got = (key_states.shape[-1], value_states.shape[-1])
+            problem = None
+            if self.layer_class_to_replicate is None and layer_idx >= len(self.layers):
+                problem = f"it has {len(self.layers)} layers and the model's layer {layer_idx} writes to it"
+            elif dims != got:
+                problem = f"its config describes a latent of {dims[0]} + {dims[1]}, the model writes {got[0]} + {got[1]}"
+            elif not isinstance(self.layers[layer_idx], (MLALatentLayer, DynamicLayer)) or getattr(
+                    self.layers[layer_idx], "is_sliding", False):
+                problem = f"its layer {layer_idx} is a {type(self.layers[layer_idx]).__name__}, not a full-attention layer"
+            if problem:
+                raise CacheLayoutError(
+                    f"MLALatentCache was built from the config of another model ({name}): {problem}. Build it from "
+                    "the model's own config: MLALatentCache(model.config)."
+                )
+        self._checked.add(layer_idx)

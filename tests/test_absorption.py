@@ -39,9 +39,6 @@ def _count_reference_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(reference, "mla_attention_reference", counted)
-    from hf_flashinfer_mla import attention
-
-    monkeypatch.setattr(attention, "mla_attention_reference", counted)
     return calls
 
 

@@ -348,13 +348,23 @@ def test_ops_on_empty_layer_are_noops():
     assert layer.get_seq_length() == 0
 
 
-def test_offload_prefetch_cpu_roundtrip(packed):
+def test_offload_prefetch_move_buffers_and_views(packed):
+    """offload()/prefetch() move the layer's buffers, and the views handed to Transformers follow them. On the CPU
+    offloading to "cpu" moves nothing, so the layer is made to live on the meta device: prefetch() must move both
+    buffers and views there (meta tensors carry no data: shapes and devices are checked there; a CPU round trip first
+    checks the data)."""
     pair = Pair(2, seed=19, packed=packed)
     pair.update(6)
     pair.mla.offload()
     pair.mla.prefetch()
-    pair.check()
+    pair.check()  # the data survived the round trip
     pair.update(1)
+    shapes = (pair.mla.keys.shape, pair.mla.values.shape)
+    pair.mla.device = torch.device("meta")  # as if it lived on an accelerator
+    pair.mla.prefetch()
+    assert {b.device.type for b in pair.mla._buffers} == {"meta"}
+    assert (pair.mla.keys.device.type, pair.mla.values.device.type) == ("meta", "meta")
+    assert (pair.mla.keys.shape, pair.mla.values.shape) == shapes
 
 
 # ---------------------------------------------------------------------------------------------------- cache level
@@ -451,3 +461,69 @@ def test_adopt_latent_layers_only_replaces_empty_plain_layers():
     assert type(cache.layers[0]) is DynamicLayer
     assert cache.layers[0].get_seq_length() == 2
     assert all(type(layer) is MLALatentLayer for layer in cache.layers[1:])
+
+
+# ------------------------------------------------------------------------------------------- caches that do not fit
+def test_cache_from_another_models_config_is_refused_naming_both():
+    """An MLALatentCache built from another model's config would keep that model's sliding-window layers (and
+    truncate the latent to the window) or have too few layers: the first update refuses it, naming the config's
+    model and what does not match, instead of giving other tokens than eager."""
+    from conftest import left_padded_batch, make_model
+    from transformers import MistralConfig
+
+    from hf_flashinfer_mla import CacheLayoutError
+
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    ids, mask, _ = left_padded_batch()
+    sliding = MistralConfig(num_hidden_layers=2, sliding_window=4, hidden_size=32, num_attention_heads=4,
+                            layer_types=["sliding_attention", "sliding_attention"])
+    fewer = make_model("deepseek_v3", num_hidden_layers=1).config
+    other_dims = make_model("minicpm3").config
+    for config, expected in ((sliding, "mistral"), (fewer, "1 layers"), (other_dims, r"24 \+ 4")):
+        with pytest.raises(CacheLayoutError, match=expected):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                           cache=MLALatentCache(config))
+
+
+def test_fp8_cache_given_to_eager_names_the_fix():
+    from conftest import left_padded_batch, make_model
+
+    from hf_flashinfer_mla import CacheLayoutError
+
+    model = make_model("deepseek_v3", attn="sdpa", dtype=torch.bfloat16)
+    ids, mask, _ = left_padded_batch()
+    with pytest.raises(CacheLayoutError, match="flashinfer_mla.*bf16 cache"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       cache=MLALatentCache(model.config, dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_capacity_past_the_filled_rows_is_zero(packed):
+    """The latent buffers never expose uninitialised memory (a tool reading the cache's tensors, torch.export, a
+    state dict, would see garbage, and a read past the valid rows NaN): new capacity is zeroed, at the first
+    allocation and at every growth."""
+    layer = MLALatentLayer(packed)
+    torch.manual_seed(0)
+    for n in (5, ROUND_TOKENS + 40, 3 * ROUND_TOKENS):  # the first allocation, then two growths
+        layer.update(torch.randn(2, 1, n, RANK) + 1, torch.randn(2, 1, n, ROPE) + 1)
+        for buffer in layer._buffers:
+            assert torch.count_nonzero(buffer[:, :, layer.get_seq_length():]) == 0
+            assert torch.isfinite(buffer).all()
+
+
+def test_warnings_inside_generate_point_at_the_caller():
+    """A deprecation warning Transformers raises inside generate() names the caller's line, not a frame of this
+    package (generate() itself is not wrapped)."""
+    import warnings
+
+    from conftest import left_padded_batch, make_model
+    from transformers import DynamicCache
+
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    ids, mask, _ = left_padded_batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       past_key_values=DynamicCache(config=model.config))  # deprecated name of `cache`
+    deprecated = [w for w in caught if "past_key_values" in str(w.message)]
+    assert deprecated and all(w.filename == __file__ for w in deprecated), [(w.filename, w.lineno) for w in caught]
