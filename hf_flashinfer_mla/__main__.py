@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import sys
 
 import torch
 
@@ -18,6 +19,12 @@ from .errors import BackendUnavailableError
 HEADS = (8, 16, 20, 24, 32, 64, 96, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WIDTH = 11
+PROG = "python -m hf_flashinfer_mla"
+DESCRIPTION = (
+    "What this machine would run, and why: the GPU and its compute capability, the torch, Transformers and "
+    "FlashInfer versions, and the decode backend attn_implementation=\"flashinfer_mla\" picks for each dtype and "
+    "number of query heads per device, with the reason wherever it is not the GPU's own kernel."
+)
 
 
 def _version(name: str) -> str:
@@ -56,13 +63,46 @@ def _where(cells: dict[str, list[int]]) -> str:
     )
 
 
+def _fail(message: str) -> None:
+    """One line on stderr and exit status 2, as argparse does for a bad argument (without the usage block)."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _device(text: str) -> torch.device:
+    """The torch device `text` names, or exit 2 with one line saying why this machine has no such device."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        _fail(f"--device {text!r} is not a device name torch knows (e.g. cpu, cuda, cuda:1)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA" if torch.version.cuda is None
+                   else f"torch (CUDA {torch.version.cuda}) sees no CUDA GPU")
+            _fail(f"--device {text}: {why} (torch {torch.__version__}); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            _fail(f"--device {text}: there is no CUDA device {device.index}; this machine has {count} "
+                  f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    return device
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the device to report on: cpu, cuda or cuda:N (default here: %(default)s)")
+    parser.add_argument("--kv-lora-rank", type=int, default=512, metavar="N",
+                        help="latent width per token, the model config's kv_lora_rank (default: %(default)s, "
+                             "DeepSeek-V2/V3; MiniCPM3 has 256)")
+    parser.add_argument("--rope-dim", type=int, default=64, metavar="N",
+                        help="rotary key width per token, the model config's qk_rope_head_dim (default: %(default)s; "
+                             "MiniCPM3 has 32)")
+    return parser
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--kv-lora-rank", type=int, default=512)
-    parser.add_argument("--rope-dim", type=int, default=64)
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    args = _parser().parse_args(argv)
+    device = _device(args.device)
     requested = capabilities.requested_backend()  # the environment (an unknown value raises here, naming the variable)
     rows, notes = _table(device, args.kv_lora_rank, args.rope_dim, requested)
 

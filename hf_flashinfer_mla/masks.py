@@ -84,5 +84,5 @@ def flashinfer_mla_mask(
     plan = attach_plan(mask, rows, kwargs.get("config"), growing)
     if growing is not None:
         growing.last_plan = plan  # generate()'s next mask update plans the next step from it
-    plan.load_graph_slots()  # CUDA-graph slots of this shape get this step's metadata before the replay
+    plan.load_graph_slots()  # CUDA-graph slots of this shape get this step's metadata before any replay
     return mask

@@ -32,7 +32,7 @@ from transformers.utils import logging
 
 from . import capabilities
 from .cache import FP8, dequantize_latent, latent_scales
-from .kernels import Layer, Refused, fa, graphs, reference, trtllm
+from .kernels import Layer, Refused, cache_pitch, fa, graphs, reference, trtllm
 from .rows import Rows
 
 logger = logging.get_logger("hf_flashinfer_mla")
@@ -87,6 +87,7 @@ class StepPlan:
         self._ahead = {key: value for key, value in ahead.items() if rows.same_as(value[0])} if ahead else {}
         self._masks: dict[torch.device, torch.Tensor] = {self.mask.device: self.mask}
         self._loaded: set[tuple] = set()  # graph slots this step has loaded
+        self.slot_refusals: dict[tuple, str] = {}  # slots of this shape whose kernel cannot serve this step
         self.consumers: set[int] = set()  # attention modules that ran on this plan (see `step_plan`)
 
     # ------------------------------------------------------------------------------------------- what builders read
@@ -152,7 +153,7 @@ class StepPlan:
         backend = self._backend(layer, requested, False)
         if layer.kv_dtype == FP8 or backend == "reference":
             return GraphSlotRoute("reference", None, layer)
-        slot_key = (backend, layer, self.batch_size, self.q_len)
+        slot_key = (backend, layer, self.batch_size, self.q_len, self.kv_len)
         fresh = slot_key not in graphs._slots
         slot = graphs.slot(slot_key, FAMILIES[backend], backend, layer, self)
         if isinstance(slot, graphs.GraphSlot) and not fresh:
@@ -161,11 +162,18 @@ class StepPlan:
             self._loaded.add(slot_key)
         return GraphSlotRoute(backend if isinstance(slot, graphs.GraphSlot) else "reference", slot, layer)
 
-    def load_graph_slots(self) -> None:
-        """Reload every CUDA-graph slot of this step's shape with its metadata, before the graph replays (called by
-        the mask function, outside the compiled region)."""
+    def load_graph_slots(self, replaying: bool = False) -> None:
+        """Reload every CUDA-graph slot of this step's shape with its metadata, before a compiled step may replay
+        (called by the mask function, outside the compiled region: a replay runs no Python). A slot whose kernel
+        cannot serve this step is recorded, and raises only where a replay is known to follow (`replaying`:
+        generate()'s compiled step, ``registration.py``), so an uncompiled step of the same shape still runs."""
         for key, slot in graphs.slots_for(self.batch_size, self.q_len, self.kv_len):
-            self._load(key, slot)
+            try:
+                self._load(key, slot)
+            except graphs.SlotRefused as exc:
+                self.slot_refusals[key] = str(exc)
+        if replaying and self.slot_refusals:
+            raise graphs.SlotRefused(next(iter(self.slot_refusals.values())))
 
     def _load(self, key: tuple, slot) -> None:
         if key not in self._loaded:
@@ -196,10 +204,12 @@ class StepPlan:
     # ---------------------------------------------------------------------------------------- device adoption
     def adoptable_by(self, mask: torch.Tensor, module) -> bool:
         """Whether a plan-less `mask` reaching `module` is a copy of this plan's mask made for this very step:
-        it has the plan's shape and dtype, the plan belongs to `module`'s model, and `module` has not run on it
+        it has the plan's shape and dtype, the plan belongs to `module`'s model, another layer already runs on it
+        (a plan no layer ran on, such as a compiled step's, is no step in progress) and `module` has not run on it
         yet (a layer that already ran on it is at a new step)."""
         return (
-            tuple(mask.shape) == self.source_shape
+            bool(self.consumers)
+            and tuple(mask.shape) == self.source_shape
             and mask.dtype == self.source_dtype
             and module.config is self.config
             and id(module) not in self.consumers
@@ -295,7 +305,7 @@ def decode_in_graph(mask: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     while torch warms the graph up it runs eagerly and routes on the step's plan; while it is captured it runs the
     slot chosen then, whose metadata the mask function reloads before every replay."""
     layer = layer_of(q_lat, kv_latent, k_rot, scale)
-    key = (layer, mask.shape[0], mask.shape[2])
+    key = (layer, mask.shape[0], mask.shape[2], mask.shape[3])
     if layer.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         route = _captured[key]
     else:
@@ -318,6 +328,5 @@ _captured: dict[tuple, GraphSlotRoute] = {}
 
 def layer_of(q_lat, kv_latent, k_rot, scale: float) -> Layer:
     """The `Layer` spec of one call (its cache's pitch and packing read from the views' strides)."""
-    pitch = (kv_latent.stride(0) // kv_latent.stride(2)) if kv_latent.shape[0] > 1 else kv_latent.shape[2]
     return Layer(q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[0], kv_latent.shape[-1], k_rot.shape[-1],
-                 pitch, trtllm.packed_pages(kv_latent, k_rot) is not None, scale)
+                 cache_pitch(kv_latent), trtllm.packed_pages(kv_latent, k_rot) is not None, scale)

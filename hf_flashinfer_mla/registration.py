@@ -18,10 +18,11 @@ validate it at the call and keep it on the loaded model's config under a private
 ``save_pretrained``) drops; ``generate()`` validates its ``mla_backend=`` where it validates every other keyword.
 ``generate()``'s default cache gets this package's latent layers.
 
-Finally, two patches let a decode step inside ``generate()`` know its rows without a device sync: generate()'s mask
-update hands each 2D mask's `rows.GrowingMask` on to the next, wider mask (and plans the next step there, while the
-GPU runs this one), and Transformers' mask preprocessing carries it over to the boolean copy it makes of the 2D
-mask before calling the mask function.
+Two patches let a decode step inside ``generate()`` know its rows without a device sync: generate()'s mask update
+hands each 2D mask's `rows.GrowingMask` on to the next, wider mask (and plans the next step there, while the GPU
+runs this one), and Transformers' mask preprocessing carries it over to the boolean copy it makes of the 2D mask
+before calling the mask function. Finally, generate()'s compiled step raises for a step that a CUDA-graph slot of
+its shape cannot serve (a replay cannot switch backends).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .capabilities import LOAD_ATTR, requested_backend, validate_backend
 from .errors import UnsupportedModelError
 from .masks import flashinfer_mla_mask
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
+from .plan import plan_of
 from .rows import GrowingMask
 
 logger = logging.get_logger("hf_flashinfer_mla")
@@ -220,6 +222,31 @@ def _rows_kept_on_copies(original):
     return _preprocess_mask_arguments
 
 
+def _slots_checked_before_compiled_steps(original):
+    # A replayed CUDA graph runs no Python: the mask function loads the kernels' fixed-address metadata
+    # (kernels/graphs.py) for every step of a captured shape, compiled or not, and records a step a slot's kernel
+    # cannot serve, without raising (an uncompiled step of that shape runs anyway). generate() gets its compiled
+    # step here: this wrapper raises for such a step, which it knows will replay.
+    @functools.wraps(original)
+    def get_compiled_call(self, compile_config):
+        compiled = original(self, compile_config)
+        if self.config.get_text_config(decoder=True)._attn_implementation != ATTN_NAME:
+            return compiled
+
+        def compiled_step(*args, **kwargs):
+            masks = kwargs.get("attention_mask")
+            for mask in masks.values() if isinstance(masks, dict) else (masks,):
+                plan = plan_of(mask) if isinstance(mask, torch.Tensor) else None
+                if plan is not None:
+                    plan.load_graph_slots(replaying=True)
+            return compiled(*args, **kwargs)
+
+        return compiled_step
+
+    get_compiled_call._flashinfer_mla_graphs = True
+    return get_compiled_call
+
+
 def _patch(owner, name: str, wrap, marker: str, unwrap=lambda f: f) -> None:
     current = getattr(owner, name)
     if not getattr(current, marker, False):
@@ -239,3 +266,4 @@ def register() -> None:
     _patch(GenerationMixin, "_prepare_cache_for_generation", _latent_cache_by_default, "_flashinfer_mla_cache")
     _patch(GenerationMixin, "_update_model_kwargs_for_generation", _growing_masks, "_flashinfer_mla_rows")
     _patch(masking_utils, "_preprocess_mask_arguments", _rows_kept_on_copies, "_flashinfer_mla_rows")
+    _patch(PreTrainedModel, "get_compiled_call", _slots_checked_before_compiled_steps, "_flashinfer_mla_graphs")

@@ -116,9 +116,10 @@ def planning_ms(backend, layer, mask, device, reps, how) -> float:
 
 
 def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
-    from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights, project_output
+    from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights, project_output, rope_rows
     from hf_flashinfer_mla.capabilities import unavailable_reason
-    from hf_flashinfer_mla.plan import decode_latent, layer_of
+    from hf_flashinfer_mla.kernels import reference
+    from hf_flashinfer_mla.plan import layer_of
 
     batch, context = args.batch, args.context
     elem = torch.empty((), dtype=dtype).element_size()
@@ -135,9 +136,9 @@ def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
     kv0, kr0 = caches[0][0], caches[0][1]
     pitch = kv0.stride(0) // kv0.stride(2)
     mask = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
-    q_lat = absorb_query(q_nope, weights)
-    f32 = decode_latent(step_plan(mask, True), "reference", q_lat.float(), q_pe.float(), kv0.float(), kr0.float(),
-                        scale)
+    # The operands as the attention function hands them to a kernel: head-major, no copies (kernels/__init__.py).
+    q_lat, q_rows = absorb_query(q_nope, weights), rope_rows(q_pe)
+    f32 = reference.attend(mask, scale, q_lat.float(), q_rows.float(), kv0.float(), kr0.float())
     common = dict(heads=heads, batch=batch, context=context, layout=layout, dtype=str(dtype).replace("torch.", ""),
                   cache_copies=copies, pitch=pitch)
     records = []
@@ -149,19 +150,22 @@ def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
             records.append(rec)
             continue
         try:
-            plan = step_plan(mask, True)
-            lat = decode_latent(plan, backend, q_lat, q_pe, kv0, kr0, scale)  # also loads the kernel
+            layer = layer_of(q_lat, kv0, kr0, scale)
+            route = step_plan(mask, True).route(backend, layer, backend, False)  # the step's metadata, built once
+            if route.backend != backend:
+                raise RuntimeError(f"{backend} declined the step; it would run on {route.backend}")
+            lat = route.run(q_lat, q_rows, kv0, kr0)  # also loads the kernel
             rec["rel_err_vs_fp32"] = rel_err(lat, f32)
             rec["correct"] = rec["rel_err_vs_fp32"] <= REL_TOL.get(dtype, 1e-4)
 
-            def kernel(i, plan=plan, backend=backend):
+            def kernel(i, route=route):
                 kv, kr, _ = caches[i % copies]
-                return decode_latent(plan, backend, q_lat, q_pe, kv, kr, scale)
+                return route.run(q_lat, q_rows, kv, kr)
 
-            def full(i, plan=plan, backend=backend):
+            def full(i, route=route):  # absorb, kernel, project: a decode layer's attention work
                 kv, kr, _ = caches[i % copies]
-                return project_output(decode_latent(plan, backend, absorb_query(q_nope, weights), q_pe, kv, kr,
-                                                    scale), weights)
+                return project_output(route.run(absorb_query(q_nope, weights), rope_rows(q_pe), kv, kr), weights,
+                                      batch)
 
             k_ms = statistics.median(bc.time_ms(kernel, device, args.warmup, args.iters))
             f_ms = statistics.median(bc.time_ms(full, device, args.warmup, args.iters))
@@ -171,7 +175,7 @@ def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
             if backend in ("fa2", "fa3"):
                 for how in ("host rows", "mask rows", "wrapper"):
                     rec[f"plan_ms_{how.replace(' ', '_')}"] = planning_ms(
-                        backend, layer_of(q_lat, kv0, kr0, scale), mask, device, args.plan_reps, how)
+                        backend, layer, mask, device, args.plan_reps, how)
         except Exception as exc:  # noqa: BLE001 - recorded; the other backends still run
             rec.update(bc.failure(exc))
         shown = f"{rec['kernel_ms']:.4f} ms" if rec.get("status") == "ok" else rec.get("status")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -160,7 +162,7 @@ def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=
     logits, done = [], 0
     for n in sizes:
         tokens = forced[:, done : done + n] if forced is not None else out.logits[:, -1:].argmax(-1)
-        pos = mask.sum(-1, keepdim=True) + torch.arange(n)
+        pos = mask.sum(-1, keepdim=True) + torch.arange(n, device=mask.device)
         if as_generate:
             mask = model._update_model_kwargs_for_generation(out, {"attention_mask": mask}, num_new_tokens=n)[
                 "attention_mask"]
@@ -215,6 +217,23 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def package_warnings(caplog) -> list[str]:
     """Messages of the warnings this package logged."""
     return [r.getMessage() for r in caplog.records if r.name == "hf_flashinfer_mla" and r.levelno >= 30]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torchelastic_logs_in_pytest_tmp(tmp_path_factory):
+    """torchrun (tests/test_tensor_parallel_cpu.py) writes its workers' logs under
+    ``tempfile.mkdtemp(prefix="torchelastic_")`` in the system temp dir unless it is given ``--log-dir``
+    (torch.distributed.elastic's DefaultLogsSpecs), and never removes that folder: one ``torchelastic_*`` left in
+    /tmp per run. torchrun reads ``--log-dir`` from ``PET_LOG_DIR`` too, so every torchrun this session starts with
+    its environment inherited logs into this session's pytest temp dir instead, which pytest prunes (it keeps the
+    last three sessions', where a failed run's rank logs can still be read). A ``PET_LOG_DIR`` set by the user wins."""
+    if "PET_LOG_DIR" in os.environ:
+        yield
+        return
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PET_LOG_DIR", str(tmp_path_factory.mktemp("torchelastic")))
+    yield
+    patch.undo()
 
 
 @pytest.fixture(autouse=True)

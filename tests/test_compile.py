@@ -104,5 +104,5 @@ def test_compiled_static_generate_runs_the_graph_op_for_any_sequence_of_shapes(f
     # Every compiled decode step (new_tokens - 1 after the expanded prefill of >8 tokens) ran the kernel in each of
     # the two layers.
     assert runs == [2 * (n - 1) for n in (4, 4, 6, 4)]
-    slots = {key[2:] for key, slot in graphs._slots.items()}
+    slots = {key[2:4] for key, slot in graphs._slots.items()}  # (batch, query length)
     assert {(1, 1), (4, 1), (2, 1)} <= slots  # one slot per batch size, the first reused by the last call

@@ -1,4 +1,6 @@
-"""Backend selection (`hf_flashinfer_mla.dispatch`) with the compute-capability query substituted: no CUDA call."""
+"""Backend selection (`hf_flashinfer_mla.capabilities`) with the compute-capability query substituted: no CUDA call.
+Also the fallback chain a declined step walks (`capabilities.fallbacks`), and the choice the compiled decode step
+makes for each shape at run time (`plan.StepPlan.graph_route`, which the graph op calls)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import pytest
 import torch
 
 import hf_flashinfer_mla
-from hf_flashinfer_mla import BackendUnavailableError, dispatch
-from hf_flashinfer_mla.dispatch import ENV_VAR, LOAD_ATTR, backend_and_reason, choose_backend, requested_backend
+from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
+from hf_flashinfer_mla import BackendUnavailableError, capabilities
+from hf_flashinfer_mla.capabilities import (ENV_VAR, LOAD_ATTR, backend_and_reason, choose_backend, fallbacks,
+                                            requested_backend)
 
 GPU = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -18,7 +22,7 @@ RANK, ROPE = 512, 64
 
 # Import flashinfer once, before any test patches CUDA queries, so that the cached import check reflects this
 # environment (flashinfer imports on a CPU-only machine).
-assert dispatch._flashinfer_import_error() is None
+assert capabilities._flashinfer_import_error() is None
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +40,7 @@ def capability(monkeypatch):
             calls.append(device)
             return cc
 
-        monkeypatch.setattr(dispatch, "device_capability", fake)
+        monkeypatch.setattr(capabilities, "device_capability", fake)
         return calls
 
     return set_cc
@@ -130,7 +134,7 @@ def test_auto_cpu_falls_back_to_reference(capability, no_cuda, caplog):
 
 def test_auto_cpu_with_real_capability_function(caplog, no_cuda):
     # The real device_capability must answer None for a CPU device without touching CUDA.
-    assert dispatch.device_capability(CPU) is None
+    assert capabilities.device_capability(CPU) is None
     _assert_reference_warns_once(caplog, lambda: choose_backend(CPU, torch.float32, 64, 16, 4), "cpu")
 
 
@@ -206,14 +210,14 @@ def test_hopper_fallback_is_the_reference_not_fa2(capability, no_cuda, monkeypat
     """fa3 and fa2 fail for the same reasons; when fa3 cannot run, auto does not try fa2 (it would fail alike)."""
     capability((9, 0))
     asked = []
-    real = dispatch.unavailable_reason
+    real = capabilities.unavailable_reason
 
     def recording(backend, *args):
         asked.append(backend)
         return real(backend, *args)
 
-    monkeypatch.setattr(dispatch, "unavailable_reason", recording)
-    monkeypatch.setattr(dispatch, "_flashinfer_import_error", lambda: "flashinfer cannot be imported (test)")
+    monkeypatch.setattr(capabilities, "unavailable_reason", recording)
+    monkeypatch.setattr(capabilities, "_flashinfer_import_error", lambda: "flashinfer cannot be imported (test)")
     assert backend_and_reason(GPU, BF16, RANK, ROPE, 128) == ("reference", "flashinfer cannot be imported (test)")
     assert asked == ["fa3"]
 
@@ -427,6 +431,8 @@ def test_environment_report_on_blackwell_explains_cute_dsl_below_the_table(capab
     from hf_flashinfer_mla.__main__ import HEADS, main
 
     capability((10, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the report checks that the device exists
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "B200 (substituted)")
     caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
     main(["--device", "cuda"])
@@ -439,3 +445,136 @@ def test_environment_report_on_blackwell_explains_cute_dsl_below_the_table(capab
     assert "cute-dsl because trtllm-gen cannot tile 96 query heads per device (bfloat16, float16: 96 heads)" in notes
     assert any(n.startswith("reference because its kernels take bfloat16 or float16") for n in notes)
     assert warnings_of(caplog) == []  # nothing logged in the middle of the table
+
+
+# ---------------------------------------------------------------------------------------------------- fallbacks
+
+
+@pytest.mark.parametrize(
+    "backend, cc, fp8, chain",
+    [
+        ("fa3", (9, 0), False, ("fa3", "fa2", "reference")),  # fa2 serves what fa3's scheduler declines
+        ("fa3", (9, 0), True, ("fa3", "reference")),  # no fa2 module for the FP8 latent
+        ("fa2", (8, 0), False, ("fa2", "reference")),
+        ("fa2", (9, 0), False, ("fa2", "reference")),
+        ("trtllm-gen", (10, 0), False, ("trtllm-gen", "reference")),  # never cute-dsl: it reads the same layout
+        ("cute-dsl", (10, 0), False, ("cute-dsl", "reference")),
+        ("reference", (9, 0), False, ("reference",)),
+        ("reference", None, False, ("reference",)),
+    ],
+)
+def test_fallbacks_end_on_the_reference(capability, no_cuda, backend, cc, fp8, chain):
+    capability(cc)
+    assert fallbacks(backend, GPU, BF16, RANK, ROPE, 128, fp8) == chain
+
+
+def test_fallbacks_skip_fa2_where_it_cannot_run(capability, no_cuda, monkeypatch):
+    """fa2 joins fa3's chain only where fa2 itself can run (asked of `unavailable_reason`, as choose_backend asks)."""
+    capability((9, 0))
+    real = capabilities.unavailable_reason
+    monkeypatch.setattr(capabilities, "unavailable_reason",
+                        lambda backend, *args: "no fa2 here" if backend == "fa2" else real(backend, *args))
+    assert fallbacks("fa3", GPU, BF16, RANK, ROPE, 128, False) == ("fa3", "reference")
+
+
+# ------------------------------------------------------------------------------------ the compiled step's choice
+
+
+@pytest.fixture
+def graph_state(monkeypatch):
+    """Fresh CUDA-graph slots and device buffers, and FlashInfer's SM-count query answered without a GPU."""
+    import flashinfer.utils
+
+    from hf_flashinfer_mla import buffers, plan
+    from hf_flashinfer_mla.kernels import graphs
+
+    monkeypatch.setattr(graphs, "_slots", {})
+    monkeypatch.setattr(plan, "_captured", {})
+    monkeypatch.setattr(buffers, "_counters", {})
+    monkeypatch.setattr(buffers, "_workspaces", {})
+    monkeypatch.setattr(flashinfer.utils, "get_device_sm_count", lambda device: 148)
+    return graphs._slots
+
+
+def _graph_route(dtype, heads, requested, packed=True, kv_dtype=None, rank=RANK, rope=ROPE, batch=2):
+    """What the graph op (`plan.decode_in_graph`) decides while a compiled step of this shape warms up: the
+    route of a step of `batch` sequences of 64 rows (page-aligned), on a CPU `Layer` (the capability is faked)."""
+    from hf_flashinfer_mla.kernels import Layer
+    from hf_flashinfer_mla.plan import StepPlan
+
+    layer = Layer(CPU, dtype, kv_dtype or dtype, heads, rank, rope, 256, packed, 0.1)
+    step = StepPlan(torch.ones(batch, 1, 1, 64, dtype=torch.bool))
+    return step.graph_route((layer, batch, 1), layer, requested), (layer, batch)
+
+
+@pytest.mark.parametrize(
+    "cc, dtype, heads, requested, expected",
+    [
+        ((10, 0), BF16, 16, "auto", "trtllm-gen"),
+        ((10, 3), BF16, 128, "auto", "trtllm-gen"),
+        ((10, 0), BF16, 24, "auto", "cute-dsl"),
+        ((10, 0), BF16, 96, "auto", "cute-dsl"),
+        # A forced Blackwell kernel runs inside compiled graphs too (it no longer falls back or raises there).
+        ((10, 0), BF16, 16, "cute-dsl", "cute-dsl"),
+        ((10, 0), BF16, 16, "trtllm-gen", "trtllm-gen"),
+        ((10, 0), torch.float32, 16, "auto", "reference"),
+        ((10, 0), BF16, 16, "reference", "reference"),
+        (None, BF16, 16, "auto", "reference"),
+        ((7, 5), BF16, 16, "auto", "reference"),
+    ],
+)
+def test_graph_route_is_the_backend_of_each_shape_at_run_time(capability, no_cuda, graph_state, cc, dtype, heads,
+                                                              requested, expected):
+    """The compiled decode step chooses exactly as an eager step does (`choose_backend`), when the shape first runs:
+    kernels get a CUDA-graph slot of that backend and shape; the reference backend needs none."""
+    capability(cc)
+    route, (layer, batch) = _graph_route(dtype, heads, requested)
+    assert route.backend == expected == choose_backend(CPU, dtype, RANK, ROPE, heads, requested)
+    if expected == "reference":
+        assert graph_state == {}
+    else:
+        slot = graph_state[(expected, layer, batch, 1, 64)]
+        assert route.slot is slot and slot.backend == expected and slot.meta.backend == expected
+        assert (slot.meta.counter is not None) == (expected == "trtllm-gen")
+
+
+def test_graph_route_decides_per_shape_in_one_process(capability, no_cuda, graph_state):
+    """One process, several shapes and devices: each gets its own decision (the old graph rule was one constant
+    per traced graph)."""
+    capability((10, 0))
+    assert _graph_route(BF16, 16, "auto")[0].backend == "trtllm-gen"
+    assert _graph_route(BF16, 24, "auto")[0].backend == "cute-dsl"
+    assert _graph_route(BF16, 16, "auto", batch=3)[0].backend == "trtllm-gen"
+    assert _graph_route(BF16, 16, "auto", packed=False)[0].backend == "reference"  # split cache: no kernel slot
+    capability(None)
+    assert _graph_route(BF16, 16, "auto")[0].backend == "reference"
+    assert {(key[0], key[1].heads, key[1].packed, key[2]) for key in graph_state} == {
+        ("trtllm-gen", 16, True, 2), ("cute-dsl", 24, True, 2), ("trtllm-gen", 16, True, 3),
+        ("trtllm-gen", 16, False, 2)}
+    assert graph_state[next(k for k in graph_state if not k[1].packed)] == "reference"
+
+
+def test_graph_route_fp8_latent_runs_the_reference(capability, no_cuda, graph_state):
+    capability((9, 0))
+    route, _ = _graph_route(BF16, 16, "auto", packed=False, kv_dtype=torch.float8_e4m3fn)
+    assert route.backend == "reference" and graph_state == {}
+
+
+@pytest.mark.parametrize("cc, heads, backend, fragment", [((10, 0), 24, "trtllm-gen", "cannot tile 24 heads"),
+                                                          ((9, 0), 16, "trtllm-gen", "SM100/SM103"),
+                                                          ((10, 0), 16, "fa3", "Hopper")])
+def test_graph_route_forced_backend_that_cannot_run_raises(capability, no_cuda, graph_state, cc, heads, backend,
+                                                           fragment):
+    capability(cc)
+    with pytest.raises(BackendUnavailableError, match=fragment):
+        _graph_route(BF16, heads, backend)
+    assert graph_state == {}
+
+
+def test_graph_route_on_hopper_takes_fa3_or_the_forced_fa2(fake_hopper, graph_state):
+    """On (a fake of) Hopper, the compiled step of the float64 test latent gets fa3's graph slot, or fa2's when
+    forced: the same decision as an eager step."""
+    route, (layer, batch) = _graph_route(torch.float64, 4, "auto", packed=False, rank=32, rope=8)
+    assert route.backend == "fa3" and graph_state[("fa3", layer, batch, 1, 64)] is route.slot
+    route, (layer, batch) = _graph_route(torch.float64, 4, "fa2", packed=False, rank=32, rope=8)
+    assert route.backend == "fa2" and graph_state[("fa2", layer, batch, 1, 64)] is route.slot

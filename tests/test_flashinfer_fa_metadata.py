@@ -1,5 +1,6 @@
-"""CPU-testable parts of `hf_flashinfer_mla.flashinfer_fa`: the row view of a cache (`cache_rows`) and the
-page-size-1 CSR metadata (`csr_metadata`)."""
+"""CPU-testable parts of the fa2/fa3 metadata: the row view of a cache (`kernels.fa.cache_rows`, its pitch
+`kernels.cache_pitch`), the page-size-1 CSR metadata of a step's rows (`rows.Rows`: what FlashInfer's public wrapper
+is planned with) and the in-place addressing the generated module is planned with (`kernels.fa.addressing`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from hf_flashinfer_mla import MLALatentLayer
-from hf_flashinfer_mla.flashinfer_fa import cache_rows, csr_metadata
-from hf_flashinfer_mla.metadata import StepPlan
+from hf_flashinfer_mla.kernels import cache_pitch
+from hf_flashinfer_mla.kernels.fa import addressing, cache_rows
+from hf_flashinfer_mla.plan import StepPlan
+from hf_flashinfer_mla.rows import Rows
 
 RANK, ROPE = 512, 64
 
@@ -28,7 +31,7 @@ def _check_rows(latent: torch.Tensor, rows: torch.Tensor, pitch: int, aliases: b
 def test_cache_rows_contiguous(b, s, d):
     g = torch.Generator().manual_seed(b * 100 + s)
     latent = torch.randn(b, 1, s, d, generator=g)
-    rows, pitch = cache_rows(latent)
+    rows, pitch = cache_rows(latent), cache_pitch(latent)
     assert pitch == s
     assert rows.shape == (b * s, 1, d)
     _check_rows(latent, rows, pitch)
@@ -40,7 +43,7 @@ def test_cache_rows_static_slice(b, smax, s, d):
     g = torch.Generator().manual_seed(smax + s)
     full = torch.randn(b, 1, smax, d, generator=g)
     latent = full[:, :, :s]
-    rows, pitch = cache_rows(latent)
+    rows, pitch = cache_rows(latent), cache_pitch(latent)
     if b > 1:
         assert pitch == smax
         assert rows.shape[0] == (b - 1) * smax + s
@@ -63,8 +66,8 @@ def test_cache_rows_latent_layer_views(b, steps, packed):
     rows_latent, rows_rope = (RANK + ROPE, RANK + ROPE) if packed else (RANK, ROPE)
     assert layer.keys.stride(2) == rows_latent and layer.values.stride(2) == rows_rope
 
-    ckv, pitch = cache_rows(layer.keys)
-    kpe, kpe_pitch = cache_rows(layer.values)
+    ckv, pitch = cache_rows(layer.keys), cache_pitch(layer.keys)
+    kpe, kpe_pitch = cache_rows(layer.values), cache_pitch(layer.values)
     assert pitch == kpe_pitch == capacity
     assert ckv.stride() == (rows_latent, rows_latent, 1)
     assert kpe.stride() == (rows_rope, rows_rope, 1)
@@ -82,8 +85,8 @@ def test_cache_rows_latent_layer_single_sequence(packed):
     layer = MLALatentLayer(packed)
     kv, rot = torch.randn(1, 1, 9, RANK, generator=g), torch.randn(1, 1, 9, ROPE, generator=g)
     layer.update(kv, rot)
-    ckv, p1 = cache_rows(layer.keys)
-    kpe, p2 = cache_rows(layer.values)
+    ckv, p1 = cache_rows(layer.keys), cache_pitch(layer.keys)
+    kpe, p2 = cache_rows(layer.values), cache_pitch(layer.values)
     assert p1 == p2
     _check_rows(kv, ckv, p1, aliases=False)
     _check_rows(rot, kpe, p2, aliases=False)
@@ -92,7 +95,8 @@ def test_cache_rows_latent_layer_single_sequence(packed):
 
 
 def test_cache_rows_csr_indices_gather_the_valid_tokens():
-    """End to end on CPU: rows[kv_indices] are exactly the valid tokens of each sequence, in order."""
+    """End to end on CPU: rows[kv_indices] are exactly the valid tokens of each sequence, in order, and so are the
+    rows the generated module's in-place addressing points at."""
     g = torch.Generator().manual_seed(11)
     b, smax, s, d = 3, 20, 12, 32
     full = torch.randn(b, 1, smax, d, generator=g)
@@ -100,11 +104,13 @@ def test_cache_rows_csr_indices_gather_the_valid_tokens():
     valid = torch.ones(b, s, dtype=torch.bool)
     valid[1, :4] = False  # left padding
     valid[2, 10:] = False  # unfilled tail
-    rows, pitch = cache_rows(latent)
-    _, kv_indptr, kv_indices, _ = csr_metadata(valid, pitch, 1)
+    rows, pitch = cache_rows(latent), cache_pitch(latent)
+    _, kv_indptr, kv_indices, lens = _csr(valid, pitch, 1)
+    pages = _pages(valid, pitch)
     for i in range(b):
         got = rows[kv_indices[kv_indptr[i] : kv_indptr[i + 1]].long(), 0]
         assert torch.equal(got, latent[i, 0][valid[i]])
+        assert torch.equal(rows[pages[i].long(), 0], latent[i, 0][valid[i]])
 
 
 def test_cache_rows_rejects_non_contiguous_last_dim():
@@ -145,8 +151,31 @@ def _random_valid(g, b, s):
     return valid
 
 
+def _csr(valid: torch.Tensor, pitch: int, q_len: int):
+    """``(qo_indptr, kv_indptr, kv_indices, kv_len)`` of the rows `valid` marks, as FlashInfer's public wrapper is
+    planned with them: the step's rows read off its mask (`Rows.from_mask`), compact CSR over a cache of `pitch`."""
+    rows = Rows.from_mask(valid, q_len)
+    return rows.qo_indptr(), rows.kv_indptr(), rows.kv_indices(pitch, valid.device), rows.lens
+
+
+def _pages(valid: torch.Tensor, pitch: int) -> list[torch.Tensor]:
+    """Each row's pages as the generated module reads them: ``kv_indices[kv_indptr[b] : kv_indptr[b] + kv_len[b]]``
+    (its offsets need not be compact: single runs point into the identity)."""
+    rows = Rows.from_mask(valid, 1)
+    kv_indptr, kv_indices = addressing(rows, pitch, valid.device)
+    assert kv_indptr.dtype == kv_indices.dtype == torch.int32 and kv_indptr.device.type == "cpu"
+    spans = sorted(zip(kv_indptr[:-1].tolist(), (kv_indptr[:-1] + rows.lens).tolist()))
+    if rows.first is None:  # rows with holes: compact CSR over explicit indices
+        assert kv_indptr.tolist() == rows.kv_indptr().tolist()
+    else:  # single runs: no two rows share a page (sequence b's rows lie at b * pitch + j)
+        assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+    return [kv_indices[s : s + n] for s, n in zip(kv_indptr[:-1].tolist(), rows.lens.tolist())]
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_csr_metadata_matches_brute_force(seed):
+    """The step's CSR metadata (the public wrapper's) and the generated module's addressing both give exactly the
+    pages of each row's valid positions, for left padding, unfilled tails, holes, full and empty rows."""
     g = torch.Generator().manual_seed(seed)
     b = int(torch.randint(1, 7, (1,), generator=g))
     s = int(torch.randint(1, 40, (1,), generator=g))
@@ -156,16 +185,18 @@ def test_csr_metadata_matches_brute_force(seed):
     if seed == 0:
         valid[0] = False  # make sure an empty row and left padding are present
         valid[-1] = torch.arange(s) >= s // 2
-    qo_indptr, kv_indptr, kv_indices, lens = csr_metadata(valid, pitch, q_len)
+    qo_indptr, kv_indptr, kv_indices, lens = _csr(valid, pitch, q_len)
     e_qo, e_indptr, e_indices, e_lens = _brute_force(valid, pitch, q_len)
-    for t in (qo_indptr, kv_indptr, kv_indices, lens):
-        assert t.dtype == torch.int32
-        assert t.device == valid.device
+    for t in (qo_indptr, kv_indptr, lens):
+        assert t.dtype == torch.int32 and t.device.type == "cpu"  # the planner reads them on the host
+    assert kv_indices.dtype == torch.int32 and kv_indices.device == valid.device
     assert qo_indptr.tolist() == e_qo
     assert kv_indptr.tolist() == e_indptr
     assert kv_indices.tolist() == e_indices
     assert lens.tolist() == e_lens
     assert kv_indices.numel() == int(kv_indptr[-1])
+    pages = _pages(valid, pitch)
+    assert [p.tolist() for p in pages] == [e_indices[e_indptr[i] : e_indptr[i + 1]] for i in range(b)]
 
 
 def test_csr_metadata_left_padding_and_empty_rows():
@@ -177,31 +208,35 @@ def test_csr_metadata_left_padding_and_empty_rows():
             [True, True, False, False, False],
         ]
     )
-    qo, indptr, indices, lens = csr_metadata(valid, 8, 1)
+    qo, indptr, indices, lens = _csr(valid, 8, 1)
     assert qo.tolist() == [0, 1, 2, 3, 4]
     assert lens.tolist() == [3, 0, 5, 2]
     assert indptr.tolist() == [0, 3, 3, 8, 10]
     assert indices.tolist() == [2, 3, 4, 16, 17, 18, 19, 20, 24, 25]
+    assert [p.tolist() for p in _pages(valid, 8)] == [[2, 3, 4], [], [16, 17, 18, 19, 20], [24, 25]]
 
 
 def test_csr_metadata_all_empty():
     valid = torch.zeros(3, 6, dtype=torch.bool)
-    qo, indptr, indices, lens = csr_metadata(valid, 6, 2)
+    qo, indptr, indices, lens = _csr(valid, 6, 2)
     assert qo.tolist() == [0, 2, 4, 6]
     assert indptr.tolist() == [0, 0, 0, 0]
     assert indices.numel() == 0 and indices.dtype == torch.int32
     assert lens.tolist() == [0, 0, 0]
+    assert [p.numel() for p in _pages(valid, 6)] == [0, 0, 0]
 
 
 def test_csr_metadata_from_step_plan_mask():
-    """What fa_decode feeds csr_metadata: the last query row of the step's mask."""
+    """What a step's builder reads: the rows of the last query row of the step's mask (`StepPlan.rows`), earlier
+    query tokens seeing a prefix of them through the causal kernel."""
     s, q = 10, 3
     mask = torch.zeros(2, 1, q, s, dtype=torch.bool)
     for i in range(q):
         mask[:, 0, i, : s - q + 1 + i] = True
     mask[1, 0, :, :4] = False
-    plan = StepPlan(mask)
-    qo, indptr, indices, lens = csr_metadata(plan.kv_valid(torch.device("cpu")), 16, plan.q_len)
-    assert qo.tolist() == [0, 3, 6]
-    assert lens.tolist() == [10, 6]
-    assert indices.tolist() == list(range(10)) + list(range(16 + 4, 16 + 10))
+    rows = StepPlan(mask).rows()
+    assert rows.q_len == q and rows.first.tolist() == [0, 4]
+    assert rows.qo_indptr().tolist() == [0, 3, 6]
+    assert rows.lens.tolist() == [10, 6]
+    assert rows.kv_indices(16, torch.device("cpu")).tolist() == list(range(10)) + list(range(16 + 4, 16 + 10))
+    assert addressing(rows, 16, torch.device("cpu"))[0].tolist() == [0, 16 + 4, 32]

@@ -1,37 +1,75 @@
-"""Per-step planning on the CPU: host-known rows inside generate(), the direct FlashInfer planning path (against a
-fake of FlashInfer's generated module, `fake_flashinfer.py`), refused plans, plan adoption across devices, and the
-CUDA-graph slots. Whole models run in float64 and are compared with ``eager`` to rounding."""
+"""Per-step planning on the CPU: rows known on the host inside generate() (a `GrowingMask` handed on with each new
+2D mask), the direct FlashInfer planning path (against a fake of FlashInfer's generated module,
+`fake_flashinfer.py`) and its public-wrapper alternative, refused plans, plan adoption across devices, and the
+CUDA-graph slots. Whole models run in float64 and are compared with ``eager`` (or the reference backend) to rounding."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
 import torch
-from conftest import VOCAB, assert_batch_matches_eager_alone, left_padded_batch, make_model, rel_err
+from conftest import (
+    VOCAB,
+    assert_batch_matches_eager_alone,
+    decode_logits,
+    eager_alone,
+    left_padded_batch,
+    make_model,
+    package_warnings,
+    rel_err,
+)
 from fake_flashinfer import FakeMLAModule, fake_hopper  # noqa: F401  (fixture)
 from flashinfer.mla._batch_mla._backends import _fa_common
-from transformers import DynamicCache
-from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+from transformers import DynamicCache, StaticCache
+from transformers.masking_utils import (
+    causal_mask_function,
+    create_masks_for_generate,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
 
-from hf_flashinfer_mla import buffers, cuda_graphs, flashinfer_fa, metadata
-from hf_flashinfer_mla.flashinfer_fa import rows_from_mask, rows_from_ranges
-from hf_flashinfer_mla.metadata import KVRanges, StepPlan, host_ranges, step_plan
+from hf_flashinfer_mla import MLALatentCache, buffers, masks, plan
+from hf_flashinfer_mla.kernels import Layer, fa, graphs, reference
+from hf_flashinfer_mla.masks import host_rows
+from hf_flashinfer_mla.plan import StepPlan, attach_plan, plan_of, step_plan
+from hf_flashinfer_mla.rows import GrowingMask, Rows
 
 TOL = 1e-6
-REAL_SURFACE = flashinfer_fa.generated_surface.__wrapped__  # before `fake_hopper` replaces it
+REAL_SURFACE = fa.generated_surface.__wrapped__  # before `fake_hopper` replaces it
+CPU, META = torch.device("cpu"), torch.device("meta")
+F64 = torch.float64
 
 
 def _spy(monkeypatch, owner, name):
+    """Record the calls of ``owner.name`` (a function, or a classmethod of a class) and pass them on."""
     calls = []
+    is_classmethod = isinstance(inspect.getattr_static(owner, name), classmethod)
     original = getattr(owner, name)
 
     def spy(*args, **kwargs):
         calls.append(args)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(owner, name, spy)
+    monkeypatch.setattr(owner, name, staticmethod(spy) if is_classmethod else spy)
     return calls
+
+
+def _layer(device=CPU, heads=4, pitch=64, scale=0.1) -> Layer:
+    """The spec of one fa3 call over conftest's deepseek_v3 latent (32 + 8), in float64."""
+    return Layer(device, F64, F64, heads, 32, 8, pitch, False, scale)
+
+
+def _host_rows(first, width, q_len=1) -> Rows:
+    """Rows known on the host, as generate()'s `GrowingMask` gives them: row b sees ``[first[b], width)``."""
+    first = torch.as_tensor(first, dtype=torch.long)
+    return GrowingMask(first, first, width).rows(q_len, width)
+
+
+def _route(step: StepPlan, layer: Layer, requested="fa3"):
+    """The step's route for `layer`, as the attention function asks for it (built, not run)."""
+    return step.route((layer, requested), layer, requested, False)
 
 
 # ------------------------------------------------------------------------------------------ rows on the host
@@ -42,44 +80,68 @@ def _left_padded(b, s, g):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_rows_from_ranges_equal_rows_from_mask(seed):
-    """The host-known ranges give the same CSR arrays and, for any pitch, the same indices as reading the mask."""
+def test_growing_mask_rows_equal_rows_from_mask(seed):
+    """The rows generate()'s 2D mask carries (`GrowingMask`, read once, then grown with the mask) give the same CSR
+    arrays and, for any pitch, the same page offsets and indices as reading the step's mask."""
     g = torch.Generator().manual_seed(seed)
     b, s = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
     q_len = 1 + seed % 4
     first, valid = _left_padded(b, s, g)
-    ours, exact = rows_from_ranges(KVRanges(first, s), q_len), rows_from_mask(valid, q_len)
-    for name in ("qo_indptr", "kv_indptr", "kv_len"):
-        a, e = getattr(ours, name), getattr(exact, name)
-        assert a.dtype == torch.int32 and a.device.type == "cpu" and torch.equal(a, e), name
-    for pitch in (s, s + 5, 3 * s + 1):
-        assert torch.equal(ours.kv_indices(pitch, valid.device), exact.kv_indices(pitch, valid.device))
+    growing = GrowingMask.read(valid.long())  # generate()'s mask: int64 zeros then ones
+    assert growing.first.tolist() == first.tolist() and growing.width == s
+    for width in (s, s + 3):  # as read, and grown by generate()'s next mask update
+        valid = torch.cat([valid, torch.ones(b, width - valid.shape[1], dtype=torch.bool)], -1)
+        ours, exact = growing.grown(width).rows(q_len, width), Rows.from_mask(valid, q_len)
+        assert ours.end == width and ours.q_len == exact.q_len == q_len and ours.same_as(exact)
+        for a, e in ((ours.lens, exact.lens), (ours.first, exact.first), (ours.qo_indptr(), exact.qo_indptr()),
+                     (ours.kv_indptr(), exact.kv_indptr())):
+            assert a.device.type == "cpu" and a.dtype == e.dtype and torch.equal(a, e)
+        assert ours.lens.dtype == torch.int32
+        for pitch in (width, width + 5, 3 * width + 1):
+            assert torch.equal(ours.page_offsets(pitch), exact.page_offsets(pitch))
+            assert torch.equal(ours.kv_indices(pitch, CPU), exact.kv_indices(pitch, CPU))
+
+
+def test_growing_mask_rows_only_where_the_mask_spans_the_cache():
+    """A `GrowingMask` gives rows only when every row has a visible position and the mask fits the cache."""
+    growing = GrowingMask(torch.tensor([2, 1]), torch.tensor([2, 1]), 3)
+    assert growing.rows(1, 3).lens.tolist() == [1, 2] and growing.rows(1, 8).end == 3  # a static cache's tail
+    assert growing.rows(1, 2) is None  # wider than the cache
+    assert GrowingMask(growing.first, growing.first_on_device, 2).rows(1, 2) is None  # row 0 would be empty
+
+
+@pytest.mark.parametrize("rows", [
+    [[1, 0, 1, 1], [1, 1, 1, 1]],  # a hole
+    [[1, 1, 0, 0], [1, 1, 1, 1]],  # right padding
+    [[0, 0, 0, 0], [1, 1, 1, 1]],  # an empty row
+])
+def test_masks_that_are_not_left_padding_carry_no_rows(rows):
+    """Only a mask whose rows are zeros then ones describes its rows by their left padding."""
+    assert GrowingMask.read(torch.tensor(rows)) is None
 
 
 def test_rows_with_holes_use_positions():
     valid = torch.tensor([[True, False, True, True], [False, True, True, False]])
-    rows = rows_from_mask(valid, 1)
-    assert rows.first is None
+    rows = Rows.from_mask(valid, 1)
+    assert rows.first is None and rows.lens.tolist() == [3, 2]
     assert rows.kv_indices(10, valid.device).tolist() == [0, 2, 3, 11, 12]
 
 
 def test_indices_beyond_int32_are_refused():
-    rows = rows_from_ranges(KVRanges(torch.zeros(3, dtype=torch.long), 8), 1)
+    rows = _host_rows([0, 0, 0], 8)
     with pytest.raises(ValueError, match="int32"):
-        rows.kv_indices(2**30, torch.device("cpu"))
+        rows.kv_indices(2**30, CPU)
     with pytest.raises(ValueError, match="int32"):
-        rows.addressing(2**30, torch.device("cpu"))
+        fa.addressing(rows, 2**30, CPU)
 
 
-def test_host_ranged_planning_never_reads_the_device(fake_hopper):
-    """With host-known ranges, a step's whole fa3 planning runs on tensors of the meta device, which hold no data:
-    any read of the GPU (a sync) would raise here."""
-    meta = torch.device("meta")
-    plan = StepPlan(torch.ones(3, 1, 1, 40, dtype=torch.bool, device=meta))
-    plan.ranges = KVRanges(torch.tensor([0, 5, 39]), 40)
-    step = flashinfer_fa.fa_step(plan, "fa3", meta, 4, torch.float64, 32, 8, pitch=64, scale=0.1)
-    _, _, kv_indices = step.schedule(64)
-    assert step.refused is None and kv_indices.device == meta and kv_indices.numel() >= 3 * 64
+def test_host_rows_planning_never_reads_the_device(fake_hopper):
+    """With rows known on the host, a step's whole fa3 planning runs on tensors of the meta device, which hold no
+    data: any read of the GPU (a sync) would raise here."""
+    step = StepPlan(torch.ones(3, 1, 1, 40, dtype=torch.bool, device=META), _host_rows([0, 5, 39], 40))
+    route = _route(step, _layer(META))
+    assert route.backend == "fa3" and route.meta.engine is not None
+    assert route.meta.kv_indices.device == META and route.meta.kv_indices.numel() >= 3 * 64
     planned = fake_hopper.modules["fa3"].plans[-1]
     assert planned["kv_len"].tolist() == [40, 35, 1] and planned["causal"] is False
     assert planned["kv_indptr"].tolist()[:3] == [0, 64 + 5, 128 + 39]  # each row's run, addressed in place
@@ -88,15 +150,15 @@ def test_host_ranged_planning_never_reads_the_device(fake_hopper):
 def test_single_run_rows_plan_offsets_into_the_identity():
     """Rows that are single runs are addressed in place: the page offset of row b is b * pitch + first[b] over a
     fixed identity, and reading the identity there gives exactly the compact CSR indices of the same rows."""
-    rows = rows_from_ranges(KVRanges(torch.tensor([3, 0, 7]), 9), 1)
-    kv_indptr, identity = rows.addressing(16, torch.device("cpu"))
+    rows = _host_rows([3, 0, 7], 9)
+    kv_indptr, identity = fa.addressing(rows, 16, CPU)
     assert kv_indptr.dtype == torch.int32 and kv_indptr.tolist() == [3, 16, 39, 48]
     assert identity.numel() >= 48 and torch.equal(identity[:48], torch.arange(48, dtype=torch.int32))
-    assert identity is rows.addressing(8, torch.device("cpu"))[1]  # one identity per device, reused
-    gathered = torch.cat([identity[s : s + n] for s, n in zip(kv_indptr.tolist(), rows.kv_len.tolist())])
-    assert torch.equal(gathered, rows.kv_indices(16, torch.device("cpu")))
-    holes = rows_from_mask(torch.tensor([[True, False, True, True], [False, True, True, False]]), 1)
-    kv_indptr, indices = holes.addressing(10, torch.device("cpu"))  # not runs: compact CSR, explicit indices
+    assert identity is fa.addressing(rows, 8, CPU)[1]  # one identity per device, reused
+    gathered = torch.cat([identity[s : s + n] for s, n in zip(kv_indptr.tolist(), rows.lens.tolist())])
+    assert torch.equal(gathered, rows.kv_indices(16, CPU))
+    holes = Rows.from_mask(torch.tensor([[True, False, True, True], [False, True, True, False]]), 1)
+    kv_indptr, indices = fa.addressing(holes, 10, CPU)  # not runs: compact CSR, explicit indices
     assert kv_indptr.tolist() == [0, 3, 5] and indices.tolist() == [0, 2, 3, 11, 12]
 
 
@@ -104,21 +166,19 @@ def test_plans_take_turns_on_two_host_scratches_per_module(fake_hopper):
     """The native planner's 8 MiB host scratch is allocated twice per module, not per plan (allocating pinned
     memory per step cost milliseconds of host time on the H200); plans use the two in turn, every plan gets a whole
     one, and its schedule reaches the step's workspace from there."""
-    meta = torch.device("meta")
     for end in (40, 41, 42):
-        plan = StepPlan(torch.ones(2, 1, 1, end, dtype=torch.bool, device=meta))
-        plan.ranges = KVRanges(torch.tensor([0, 3]), end)
-        assert flashinfer_fa.fa_step(plan, "fa3", meta, 4, torch.float64, 32, 8, pitch=64, scale=0.1).refused is None
+        step = StepPlan(torch.ones(2, 1, 1, end, dtype=torch.bool, device=META), _host_rows([0, 3], end))
+        assert _route(step, _layer(META)).backend == "fa3"
     plans = fake_hopper.modules["fa3"].plans
     assert [p["kv_len"].tolist() for p in plans] == [[40, 37], [41, 38], [42, 39]]
     addresses = [p["scratch"].data_ptr() for p in plans]
     assert addresses[0] == addresses[2] != addresses[1]
-    assert plans[0]["scratch"].numel() == flashinfer_fa.INT_WORKSPACE_BYTES
+    assert plans[0]["scratch"].numel() == fa.INT_WORKSPACE_BYTES
 
 
 def test_a_scratch_is_reused_only_after_the_gpu_read_it(fake_hopper):
     """A plan two steps ahead of the GPU waits for the copy out of its scratch; a completed copy costs no wait."""
-    engine = flashinfer_fa.generated_fa(torch.device("cpu"), "fa3", 4, torch.float64, 32, 8)
+    engine = fa.generated_fa(_layer(), "fa3")
 
     class Copy:
         def __init__(self, done):
@@ -130,86 +190,117 @@ def test_a_scratch_is_reused_only_after_the_gpu_read_it(fake_hopper):
         def synchronize(self):
             self.waited = True
 
-    rows = rows_from_ranges(KVRanges(torch.tensor([0, 3]), 9), 1)
+    rows = _host_rows([0, 3], 9)
     workspace = engine.new_workspace()
-    engine.plan(rows, rows.kv_indptr, False, workspace)
-    engine.plan(rows, rows.kv_indptr, False, workspace)
+    engine.plan(rows, rows.kv_indptr(), False, workspace)
+    engine.plan(rows, rows.kv_indptr(), False, workspace)
     pending, done = Copy(False), Copy(True)
     engine._scratches = [(engine._scratches[0][0], pending), (engine._scratches[1][0], done)]
-    engine.plan(rows, rows.kv_indptr, False, workspace)
+    engine.plan(rows, rows.kv_indptr(), False, workspace)
     assert pending.waited and not done.waited
-    engine.plan(rows, rows.kv_indptr, False, workspace)
+    engine.plan(rows, rows.kv_indptr(), False, workspace)
     assert not done.waited
     staged = workspace.view(torch.int32)
     assert staged[:2].tolist() == [2, 3] and staged[5:8].tolist() == [0, 9, 15]  # batch, plan id; kv_indptr
 
 
-# ------------------------------------------------------------------------------------------ host_ranges
+# ------------------------------------------------------------------------------------------ host_rows
 def _mask2d(rows):
     return torch.tensor(rows, dtype=torch.bool)
 
 
-class _Call:
-    """Enter an extending generate() scope as the generate() hooks would."""
-
-    def __enter__(self):
-        self.token = metadata._generate_call.set(metadata._GenerateCall(extending=True))
-        return metadata._generate_call.get()
-
-    def __exit__(self, *exc):
-        metadata._generate_call.reset(self.token)
+def _growing(mask):
+    """`mask` as generate()'s mask update leaves it: its `GrowingMask` attached."""
+    GrowingMask.read(mask).attach(mask)
+    return mask
 
 
-def test_host_ranges_without_padding_mask_are_known_anywhere():
-    r = host_ranges(2, 1, 7, 6, 0, causal_mask_function, None)
-    assert r.first.tolist() == [0, 0] and r.end == 7
-    assert host_ranges(2, 3, 9, 6, 0, causal_mask_function, None).end == 9
-    assert host_ranges(2, 1, 7, torch.tensor(6), 0, causal_mask_function, None) is None  # static cache: on device
+def test_host_rows_without_padding_mask_are_known_anywhere():
+    growing, rows = host_rows(2, 1, 7, 6, 0, causal_mask_function, None)
+    assert growing is None and rows.first.tolist() == [0, 0] and rows.lens.tolist() == [7, 7] and rows.end == 7
+    assert host_rows(2, 3, 9, 6, 0, causal_mask_function, None)[1].end == 9
+    assert host_rows(2, 1, 7, torch.tensor(6), 0, causal_mask_function, None) == (None, None)  # static: on device
+    assert host_rows(2, 1, 7, 7, 0, causal_mask_function, None) == (None, None)  # beyond the cache
 
 
-def test_host_ranges_need_generate_for_a_padding_mask():
+def test_host_rows_of_a_padding_mask_come_with_its_growing_mask():
+    """A 2D mask gives host rows only with the `GrowingMask` generate()'s mask update attached to it; a mask without
+    one (a loop of the user's own, a logits processor's forward) is read exactly, by its step's plan."""
     mask = _mask2d([[0, 1, 1, 1], [1, 1, 1, 1]])
-    assert host_ranges(2, 1, 4, 3, 0, causal_mask_function, mask) is None  # a user's own loop: read the mask
-    token = metadata._generate_call.set(metadata._GenerateCall(extending=False))
-    try:
-        assert host_ranges(2, 1, 4, 3, 0, causal_mask_function, mask) is None  # prefill (maybe chunked)
-    finally:
-        metadata._generate_call.reset(token)
-    with _Call():
-        r = host_ranges(2, 1, 4, 3, 0, causal_mask_function, mask)
-        assert r.first.tolist() == [1, 0] and r.end == 4
-        r = host_ranges(2, 1, 4, torch.tensor(3), 0, causal_mask_function, mask)  # static cache in generate()
-        assert r.first.tolist() == [1, 0] and r.end == 4
+    assert host_rows(2, 1, 4, 3, 0, causal_mask_function, mask) == (None, None)
+    _growing(mask)
+    growing, rows = host_rows(2, 1, 4, 3, 0, causal_mask_function, mask)
+    assert growing is GrowingMask.of(mask) and rows.first.tolist() == [1, 0] and rows.end == 4
+    growing, rows = host_rows(2, 1, 10, torch.tensor(3), 0, causal_mask_function, mask)  # static cache, 10 rows
+    assert rows.first.tolist() == [1, 0] and rows.lens.tolist() == [3, 4] and rows.end == 4
+    # A copy or a slice of the mask (assisted decoding crops it) is a new tensor: it carries no rows.
+    assert host_rows(2, 1, 3, 2, 0, causal_mask_function, mask[:, :3]) == (None, None)
+    assert host_rows(2, 1, 4, 3, 0, causal_mask_function, mask.clone()) == (None, None)
 
 
-@pytest.mark.parametrize("rows, args", [
-    ([[1, 0, 1, 1], [1, 1, 1, 1]], {}),  # a hole
-    ([[1, 1, 0, 0], [1, 1, 1, 1]], {}),  # right padding
-    ([[0, 0, 0, 0], [1, 1, 1, 1]], {}),  # an empty row
-    ([[0, 1, 1, 1], [1, 1, 1, 1]], dict(q_offset=2)),  # mask width != cached + new tokens
-    ([[0, 1, 1, 1], [1, 1, 1, 1]], dict(kv_offset=1)),
-    ([[0, 1, 1, 1], [1, 1, 1, 1]], dict(mask_function=sliding_window_causal_mask_function(2))),
+@pytest.mark.parametrize("args", [
+    dict(q_offset=2),  # mask width != cached + new tokens
+    dict(kv_offset=1),
+    dict(mask_function=sliding_window_causal_mask_function(2)),
+    dict(width=5),  # a GrowingMask of another width than the mask it is attached to
 ])
-def test_host_ranges_fall_back_to_the_mask(rows, args):
-    kwargs = dict(q_offset=3, kv_offset=0, mask_function=causal_mask_function) | args
-    with _Call():
-        assert host_ranges(2, 1, 4, kwargs["q_offset"], kwargs["kv_offset"], kwargs["mask_function"],
-                           _mask2d(rows)) is None
+def test_host_rows_fall_back_to_the_mask(args):
+    kwargs = dict(q_offset=3, kv_offset=0, mask_function=causal_mask_function, width=4) | args
+    mask = _growing(_mask2d([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    GrowingMask.of(mask).grown(kwargs["width"]).attach(mask)
+    assert host_rows(2, 1, 4, kwargs["q_offset"], kwargs["kv_offset"], kwargs["mask_function"], mask) == (None, None)
 
 
-def test_left_padding_read_once_per_generate_call(monkeypatch):
-    reads = _spy(monkeypatch, metadata, "_read_left_padding")
-    with _Call():
-        for width in (5, 6, 7):
-            mask = torch.cat([_mask2d([[0, 0, 1], [0, 1, 1]]), torch.ones(2, width - 3, dtype=torch.bool)], -1)
-            assert host_ranges(2, 1, width, width - 1, 0, causal_mask_function, mask).first.tolist() == [2, 1]
-        # Assisted decoding crops from the right; the fixed left padding still applies while every row has a token.
-        assert host_ranges(2, 1, 3, 2, 0, causal_mask_function, mask[:, :3]).end == 3
-        assert host_ranges(2, 1, 2, 1, 0, causal_mask_function, mask[:, :2]) is None  # row 0 would be empty
-    assert len(reads) == 1
-    with _Call():  # a new generate() call reads it again
-        host_ranges(2, 1, 5, 4, 0, causal_mask_function, mask[:, :5])
-    assert len(reads) == 2
+@pytest.mark.parametrize("as_generate", [False, True], ids=["user-loop", "as-generate"])
+def test_left_padding_read_once_per_generate_call_else_each_mask(fake_hopper, monkeypatch, as_generate):
+    """Decode steps driven as generate() drives them: the left padding is read once per call, after the prefill,
+    by the mask update, and handed on with each new mask (no step reads its mask); the step over each mask plans the
+    next one ahead. A loop of the user's own grows the mask itself: each step's mask is read exactly, once (shared
+    by the layers). Both equal each prompt decoded alone with eager."""
+    model = make_model("deepseek_v3")
+    reads = _spy(monkeypatch, GrowingMask, "read")
+    from_mask = _spy(monkeypatch, Rows, "from_mask")
+    ids, mask, prompts = left_padded_batch()
+    forced = torch.randint(1, VOCAB, (3, 4), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # over generate()'s own cache (rows at fixed addresses: the next step can be planned)
+        ours = decode_logits(model, ids, mask, cache=MLALatentCache(config=model.config), forced=forced,
+                             as_generate=as_generate)
+    fa3 = fake_hopper.modules["fa3"]
+    assert fa3.runs == 4 * model.config.num_hidden_layers
+    if as_generate:
+        assert len(reads) == 1 and from_mask == []
+        assert [p["ahead"] for p in fa3.plans] == [False, True, True, True]
+        first = (ids.shape[1] - torch.tensor([len(p) for p in prompts])).tolist()
+        assert [p["kv_len"].tolist() for p in fa3.plans] == [[ids.shape[1] + t - f for f in first]
+                                                             for t in range(1, 5)]
+        with torch.no_grad():
+            decode_logits(model, ids, mask, cache=MLALatentCache(config=model.config), forced=forced[:, :2],
+                          as_generate=True)
+        assert len(reads) == 2 and from_mask == []  # a new call reads it again
+    else:
+        assert reads == [] and len(from_mask) == 4
+        assert [p["ahead"] for p in fa3.plans] == [False] * 4
+    for i, alone in enumerate(eager_alone(model, prompts, forced)):
+        assert rel_err(ours[i], alone) < TOL
+
+
+def test_guidance_forward_is_planned_from_its_own_mask(fake_hopper, monkeypatch):
+    """Classifier-free guidance runs a second forward per step, on a 2D mask of its own (another width, no padding)
+    that generate()'s mask update never sees: those steps are planned from their mask's contents, the main steps
+    from the main mask's padding, and neither takes the other's rows. (That the guided generation equals eager's,
+    for every family, is test_nested_forwards.py's.)"""
+    model = make_model("deepseek_v3")
+    from_mask = _spy(monkeypatch, Rows, "from_mask")
+    ids, mask, _ = left_padded_batch(lengths=(12, 9))  # prompts of > 8 tokens: prefills take the expanded path
+    negative = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))  # unpadded, narrower
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, guidance_scale=1.5,
+                   negative_prompt_ids=negative)
+    guided = [[10 + t, 10 + t] for t in (1, 2, 3)]  # the guidance forward's 3 decode steps, read off their masks
+    assert [valid.sum(-1).tolist() for valid, _ in from_mask] == guided
+    main = [[12 + t, 9 + t] for t in (1, 2, 3, 4)]  # generate()'s (host rows), and the one planned ahead after
+    fa3 = fake_hopper.modules["fa3"]
+    assert sorted(p["kv_len"].tolist() for p in fa3.plans) == sorted(main + guided)
+    assert fa3.runs == 6 * model.config.num_hidden_layers
 
 
 # ------------------------------------------------------------------------------------------ whole models, fake fa3
@@ -218,8 +309,8 @@ def test_generate_on_fa3_matches_eager_alone_planning_once_per_step_without_read
     fake_hopper, monkeypatch, cache_implementation
 ):
     model = make_model("deepseek_v3")
-    from_mask = _spy(monkeypatch, flashinfer_fa, "rows_from_mask")
-    reads = _spy(monkeypatch, metadata, "_read_left_padding")
+    from_mask = _spy(monkeypatch, Rows, "from_mask")
+    reads = _spy(monkeypatch, GrowingMask, "read")
     ids, mask, prompts = left_padded_batch()
     new_tokens = 6
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
@@ -233,31 +324,11 @@ def test_generate_on_fa3_matches_eager_alone_planning_once_per_step_without_read
     assert [p["ahead"] for p in fa3.plans] == [False] + [True] * (decode_steps - 1 + unused)
     assert fa3.runs == decode_steps * model.config.num_hidden_layers
     assert from_mask == [] and len(reads) == 1  # the left padding, read once; no step read its mask
-    first = [0, 0, 0]
-    for i, p in enumerate(prompts):
-        first[i] = ids.shape[1] - len(p)
+    first = [ids.shape[1] - len(p) for p in prompts]
     for step, planned in enumerate(fa3.plans):
         width = ids.shape[1] + step + 1
         assert planned["kv_len"].tolist() == [width - f for f in first] and planned["causal"] is False
     assert_batch_matches_eager_alone(model, out, prompts, new_tokens, TOL)
-
-
-def test_user_loop_plans_from_the_mask_and_matches(fake_hopper, monkeypatch):
-    """Outside generate() the rows are read off the mask (one sync a step), and the result is the same."""
-    from conftest import decode_logits
-
-    model = make_model("deepseek_v3")
-    from_mask = _spy(monkeypatch, flashinfer_fa, "rows_from_mask")
-    ids, mask, prompts = left_padded_batch()
-    forced = torch.randint(1, VOCAB, (3, 4), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ours = decode_logits(model, ids, mask, cache=DynamicCache(config=model.config), forced=forced)
-    assert len(from_mask) == 4 and len(fake_hopper.modules["fa3"].plans) == 4
-    model.set_attn_implementation("eager")
-    for i, p in enumerate(prompts):
-        alone = decode_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long),
-                              cache=DynamicCache(config=model.config), forced=forced[i : i + 1])
-        assert rel_err(ours[i], alone[0]) < TOL
 
 
 def test_prompt_lookup_decoding_multi_token_causal_plans(fake_hopper):
@@ -271,22 +342,11 @@ def test_prompt_lookup_decoding_multi_token_causal_plans(fake_hopper):
     assert torch.equal(ours, model.generate(input_ids=prompt, max_new_tokens=12, do_sample=False))
 
 
-@torch.no_grad()
-def _chunked_logits(model, prompt, forced, chunk, **kwargs):
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=prompt, cache=cache, use_cache=True)
-    logits = []
-    for t in range(0, forced.shape[1], chunk):
-        out = model(input_ids=forced[:, t : t + chunk], cache=out.cache, use_cache=True, **kwargs)
-        logits.append(out.logits)
-    return torch.cat(logits, 1)
-
-
 @pytest.mark.parametrize("fa2_accepts", [False, True])
-def test_refused_causal_plan_falls_back_with_one_warning(fake_hopper, monkeypatch, caplog, fa2_accepts):
+def test_refused_causal_plan_falls_back_with_one_warning(fake_hopper, caplog, fa2_accepts):
     """20 heads and 8-token steps: FlashInfer's causal tile bound (its real validator) refuses the steps whose
-    cached length is 2 mod 64. Those steps run on fa2 if it accepts, else on the reference backend; every step
-    equals eager, and one warning is logged."""
+    cached length is 2 mod 64 (here two of them). Those steps run on fa2 if it accepts, else on the reference
+    backend; every step equals eager, and each refusing backend warns once, naming where the steps run."""
     real = _fa_common._validate_fa_plan_workload
 
     def validate(qo_indptr, kv_len_arr, num_heads, causal, device, backend, kv_data_type):
@@ -298,17 +358,21 @@ def test_refused_causal_plan_falls_back_with_one_warning(fake_hopper, monkeypatc
     model = make_model("deepseek_v3", num_attention_heads=20, num_key_value_heads=20, num_hidden_layers=2,
                        first_k_dense_replace=2)
     g = torch.Generator().manual_seed(4)
-    prompt, forced = torch.randint(1, VOCAB, (1, 10), generator=g), torch.randint(1, VOCAB, (1, 64), generator=g)
-    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
-        ours = _chunked_logits(model, prompt, forced, 8)  # cached lengths 18, 26, ..., 66 (refused), ..., 74
-    warnings = [r for r in caplog.records if "declines" in r.getMessage()]
-    assert len(warnings) == 1 and ("on fa2" if fa2_accepts else "on reference") in warnings[0].getMessage()
+    prompt, forced = torch.randint(1, VOCAB, (1, 10), generator=g), torch.randint(1, VOCAB, (1, 128), generator=g)
+    ones = torch.ones_like(prompt)
+    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"), torch.no_grad():
+        # cached lengths 18, 26, ..., 66 (refused), ..., 130 (refused), 138
+        ours = decode_logits(model, prompt, ones, forced=forced, chunks=[8] * 16)
+    warnings = [m for m in package_warnings(caplog) if "declines" in m]
+    fallback = "fa2" if fa2_accepts else "reference"
+    refusing = ["fa3"] if fa2_accepts else ["fa3", "fa2"]
+    assert [m.split()[1] for m in warnings] == refusing  # one per refusing backend, not one per refused step
+    assert all(f"those steps run on {fallback}." in m for m in warnings)
     fa3 = fake_hopper.modules["fa3"]
-    assert len(fa3.plans) == 7 and fa3.runs == 7 * 2  # 8 steps, one refused before planning
-    if fa2_accepts:
-        assert fake_hopper.modules["fa2"].runs == 2
+    assert len(fa3.plans) == 14 and fa3.runs == 14 * 2  # 16 steps, two refused before planning
+    assert fake_hopper.modules["fa2"].runs == (2 * 2 if fa2_accepts else 0)
     model.set_attn_implementation("eager")
-    assert rel_err(ours, _chunked_logits(model, prompt, forced, 8)) < TOL
+    assert rel_err(ours, decode_logits(model, prompt, ones, forced=forced, chunks=[8] * 16)) < TOL
 
 
 def test_decode_with_gradients_takes_the_differentiable_path(fake_hopper, caplog):
@@ -330,57 +394,119 @@ def test_decode_with_gradients_takes_the_differentiable_path(fake_hopper, caplog
     assert grads["flashinfer_mla"] is not None and rel_err(grads["flashinfer_mla"], grads["eager"]) < TOL
 
 
-def test_other_flashinfer_releases_use_the_public_wrapper(fake_hopper, monkeypatch):
-    """The generated-module surface is private: any release other than the tested ones goes through
-    BatchMLAPagedAttentionWrapper.plan/run (here a fake that checks its arguments)."""
-    import flashinfer
+# ------------------------------------------------------------------------------------------ the public wrapper
+def _fake_wrapper(monkeypatch) -> list:
+    """Replace FlashInfer's public BatchMLAPagedAttentionWrapper by a fake that checks its arguments, runs
+    `FakeMLAModule` on them (its own, not the generated surface's), and records itself in the returned list when it
+    is planned (each keeps its ``plans`` and ``runs``)."""
     import flashinfer.mla
 
     planned = []
 
     class Wrapper:
-        def __init__(self, workspace, backend):
-            assert backend == "fa3" and workspace.dtype == torch.uint8
+        def __init__(self, float_workspace_buffer, use_cuda_graph=False, *, backend):
+            assert backend == "fa3" and float_workspace_buffer.dtype == torch.uint8 and not use_cuda_graph
             self.module = FakeMLAModule(backend)
+            self.plans, self.runs = [], 0
 
         def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
                  kv_data_type, query_layout, kv_cache_layout):
             assert (page_size, query_layout, kv_cache_layout) == (1, "split", "split")
+            assert q_data_type == kv_data_type == F64 and (head_dim_ckv, head_dim_kpe) == (32, 8)
+            assert int(metadata.kv_indptr[-1]) == metadata.kv_indices.numel()  # compact CSR, explicit indices
             self.ws = torch.zeros(4096, dtype=torch.uint8)
             self.info, _ = self.module.plan_with_staged_workspace_bytes(
                 self.ws, self.ws, torch.zeros(4096, dtype=torch.uint8), metadata.qo_indptr, metadata.kv_indptr,
                 metadata.kv_len_arr, num_heads, head_dim_ckv, causal)
             self.kv_indices, self.scale, self.causal = metadata.kv_indices, sm_scale, causal
+            self.plans.append(metadata)
             planned.append(self)
 
         def run(self, *, query, kv_cache):
+            self.runs += 1
             out = torch.empty_like(query[0])
             self.module.run(self.ws, self.ws, self.info, *query, *kv_cache, self.kv_indices, out, None,
                             int(self.causal), query[0].shape[1], 1, self.scale, False, 1.0, 1.0, None)
             return out
 
     monkeypatch.setattr(flashinfer.mla, "BatchMLAPagedAttentionWrapper", Wrapper)
+    return planned
+
+
+def test_other_flashinfer_releases_use_the_public_wrapper(fake_hopper, monkeypatch):
+    """The generated-module surface is private: any release other than the tested ones goes through
+    BatchMLAPagedAttentionWrapper.plan/run (here a fake that checks its arguments)."""
+    import flashinfer
+
+    planned = _fake_wrapper(monkeypatch)
     assert REAL_SURFACE() is not None  # the installed release (0.7.4) is a tested one
     monkeypatch.setattr(flashinfer, "__version__", "0.7.5")
     assert REAL_SURFACE() is None
-    monkeypatch.setattr(flashinfer_fa, "generated_surface", REAL_SURFACE)
+    monkeypatch.setattr(fa, "generated_surface", REAL_SURFACE)
     model = make_model("deepseek_v3")
     ids, mask, prompts = left_padded_batch()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
-    assert len(planned) == 3  # one wrapper planned per step
+    assert len(planned) == 3 and all(w.runs == model.config.num_hidden_layers for w in planned)  # one per step
     assert_batch_matches_eager_alone(model, out, prompts, 4, TOL)
 
 
-def test_planner_env_forces_the_wrapper(fake_hopper, monkeypatch):
-    monkeypatch.setenv(flashinfer_fa.PLANNER_ENV, "wrapper")
-    assert not flashinfer_fa.uses_generated_module()
-    monkeypatch.setenv(flashinfer_fa.PLANNER_ENV, "direct")
-    assert flashinfer_fa.uses_generated_module()
+@pytest.mark.parametrize("planner", ["wrapper", "direct"])
+def test_planner_env_picks_the_planner(fake_hopper, monkeypatch, planner):
+    """``HF_FLASHINFER_MLA_FA_PLANNER=wrapper`` makes every fa3 step plan and run through FlashInfer's public
+    wrapper, even on a release whose generated module is known; any other value keeps the generated module. Either
+    way the steps equal eager."""
+    planned = _fake_wrapper(monkeypatch)
+    monkeypatch.setenv(fa.PLANNER_ENV, planner)
+    model = make_model("deepseek_v3")
+    ids, mask, prompts = left_padded_batch()
+    forced = torch.randint(1, VOCAB, (3, 3), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ours = decode_logits(model, ids, mask, forced=forced, as_generate=True)
+    layers = model.config.num_hidden_layers
+    generated = fake_hopper.modules.get("fa3")
+    if planner == "wrapper":
+        assert len(planned) == 3 and [w.runs for w in planned] == [layers] * 3
+        assert generated is None or (generated.plans == [] and generated.runs == 0)
+    else:
+        assert planned == [] and len(generated.plans) == 3 and generated.runs == 3 * layers
+    for i, alone in enumerate(eager_alone(model, prompts, forced)):
+        assert rel_err(ours[i], alone) < TOL
+
+
+def test_direct_and_wrapper_planners_agree_with_the_reference(fake_hopper, monkeypatch):
+    """FlashInfer's generated module planned directly (page offsets into the identity) and its public wrapper (compact
+    CSR indices) must hand the kernel the same pages, lengths and mask mode for every step, decode and multi-token
+    (causal) steps alike, and give the logits of the reference backend."""
+    planned = _fake_wrapper(monkeypatch)
+    model = make_model("deepseek_v3")
+    ids, mask, _ = left_padded_batch()
+    forced = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(8))
+    chunks = [1, 3, 1, 1]
+
+    def run(**kwargs):
+        with torch.no_grad():
+            return decode_logits(model, ids, mask, forced=forced, chunks=chunks, as_generate=True, **kwargs)
+
+    reference = run(mla_backend="reference")
+    assert fake_hopper.modules == {} and planned == []
+    direct = run(mla_backend="fa3")
+    monkeypatch.setenv(fa.PLANNER_ENV, "wrapper")
+    wrapper = run(mla_backend="fa3")
+    direct_plans = fake_hopper.modules["fa3"].plans  # one per step (a DynamicCache's rows move: none planned ahead)
+    assert len(planned) == len(direct_plans) == len(chunks)
+    identity = buffers.identity_rows(CPU, 1)
+    for d, w in zip(direct_plans, planned):
+        assert torch.equal(d["kv_len"], w.plans[0].kv_len_arr) and torch.equal(d["qo_indptr"], w.plans[0].qo_indptr)
+        pages = [identity[s : s + n] for s, n in zip(d["kv_indptr"][:-1].tolist(), d["kv_len"].tolist())]
+        assert torch.equal(torch.cat(pages), w.plans[0].kv_indices)
+        assert d["causal"] is w.causal
+    assert [d["causal"] for d in direct_plans] == [n > 1 for n in chunks]
+    assert rel_err(direct, reference) < 1e-12 and rel_err(wrapper, reference) < 1e-12
 
 
 # ------------------------------------------------------------------------------------------ adoption across devices
-class _Layer:
+class _Module:
     def __init__(self, config):
         self.config = config
 
@@ -388,20 +514,55 @@ class _Layer:
 def test_adoption_rule():
     config, other = object(), object()
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
-    plan = metadata.attach_plan(mask)
-    l0, l1, stranger = _Layer(config), _Layer(config), _Layer(other)
+    step = attach_plan(mask, config=config)
+    l0, l1, stranger = _Module(config), _Module(config), _Module(other)
     copy = mask.clone()
-    assert not plan.adoptable_by(copy, l1)  # nobody ran on it yet: not known to be this step's
-    assert step_plan(mask, l0) is plan
-    assert plan.adoptable_by(copy, l1)  # a copy reaching a layer that has not run on the plan
-    assert not plan.adoptable_by(copy, l0)  # a layer that ran on it is at a new step
-    assert not plan.adoptable_by(copy, stranger)  # another model
-    assert not plan.adoptable_by(torch.ones(2, 1, 1, 6, dtype=torch.bool), l1)  # another shape
-    assert not plan.adoptable_by(torch.zeros(2, 1, 1, 5), l1)  # another dtype
-    assert step_plan(copy, l1) is plan
+    assert step_plan(mask, l0) is step
+    assert step.adoptable_by(copy, l1)  # a copy reaching a layer that has not run on the plan
+    assert not step.adoptable_by(copy, l0)  # a layer that ran on it is at a new step
+    assert not step.adoptable_by(copy, stranger)  # another model
+    assert not step.adoptable_by(torch.ones(2, 1, 1, 6, dtype=torch.bool), l1)  # another shape
+    assert not step.adoptable_by(torch.zeros(2, 1, 1, 5), l1)  # another dtype
+    assert step_plan(copy, l1) is step
+    assert step_plan(copy.clone(), stranger) is not step  # another model's layer never adopts it
     fresh = torch.ones(2, 1, 1, 5, dtype=torch.bool)
-    new = step_plan(fresh, l0)  # l0 already ran on `plan`: a new step, an exact plan of its own
-    assert new is not plan and metadata.plan_of(fresh) is new
+    new = step_plan(fresh, l0)  # l0 already ran on `step`: a new step, an exact plan of its own
+    assert new is not step and plan_of(fresh) is new
+
+
+
+
+@torch.no_grad()
+def test_a_plan_no_layer_ran_on_is_never_adopted(fake_hopper):
+    """A step's plan that no layer has run on is not known to be the plan of the step being run: generate() builds a
+    static cache's mask (and its plan) outside the compiled step, whose CUDA graph then runs the layers without
+    Python. A plan-less mask of the same shape reaching the first layer afterwards (a user's own 4D mask, of other
+    rows) gets an exact plan of its own, and the step equals Transformers' sdpa."""
+    model = make_model("deepseek_v3")
+    ids, mask, _ = left_padded_batch()
+    forced = torch.randint(1, VOCAB, (3, 2), generator=torch.Generator().manual_seed(9))
+    max_len = ids.shape[1] + 4
+
+    def planned_elsewhere_then_4d(attention_mask, cache, position_ids, **kwargs):
+        # The step of another batch of this shape (no padding) planned as generate() plans a compiled step ...
+        create_masks_for_generate(config=model.config, inputs_embeds=torch.empty(3, 1, 0, dtype=model.dtype),
+                                  attention_mask=torch.ones_like(attention_mask), cache=cache,
+                                  position_ids=position_ids)
+        # ... then the user's own step, on a 4D mask of its own rows.
+        am = torch.zeros(attention_mask.shape[0], 1, 1, max_len, dtype=torch.bool)
+        am[:, 0, 0, : attention_mask.shape[1]] = attention_mask.bool()
+        return model(attention_mask=am, cache=cache, position_ids=position_ids, **kwargs)
+
+    def run():
+        return decode_logits(model, ids, mask, cache=StaticCache(config=model.config, max_cache_len=max_len),
+                             forced=forced, forward=planned_elsewhere_then_4d)
+
+    ours = run()
+    model.set_attn_implementation("sdpa")  # (batched float64 eager: NaN in fully masked padding rows)
+    assert rel_err(ours, run()) < TOL
+    config = object()
+    step = attach_plan(torch.ones(2, 1, 1, 5, dtype=torch.bool), config=config)
+    assert not step.adoptable_by(torch.ones(2, 1, 1, 5, dtype=torch.bool), _Module(config))
 
 
 def _split_like_accelerate(model, first_copied_layer):
@@ -417,7 +578,9 @@ def _split_like_accelerate(model, first_copied_layer):
             for layer in model.model.layers[first_copied_layer:]]
 
 
-@pytest.mark.parametrize("first_copied, built_per_step, adopted_per_step", [(0, 2, 3), (2, 1, 2), (4, 1, 0)])
+@pytest.mark.parametrize("first_copied, built_per_step, adopted_per_step", [
+    (0, 2, 3), (2, 1, 2), (4, 1, 0),
+])
 def test_copied_masks_plan_once_per_device_per_step(fake_hopper, monkeypatch, first_copied, built_per_step,
                                                     adopted_per_step):
     """Layers before `first_copied` on one "device", the rest on another (masks copied, as accelerate does): fa3
@@ -427,7 +590,11 @@ def test_copied_masks_plan_once_per_device_per_step(fake_hopper, monkeypatch, fi
     model = make_model("deepseek_v3", num_hidden_layers=4)
     ids, mask, prompts = left_padded_batch()
     hooks = _split_like_accelerate(model, first_copied)
-    built = _spy(monkeypatch, metadata, "attach_plan")
+    built = []
+    for owner in (masks, plan):  # the mask function's plans, and the plans of copies that adopt none
+        original = owner.attach_plan
+        monkeypatch.setattr(owner, "attach_plan", lambda *a, _original=original, **k: built.append(a)
+                            or _original(*a, **k))
     adoptions = []
     adoptable = StepPlan.adoptable_by
     monkeypatch.setattr(StepPlan, "adoptable_by", lambda self, m, mod: adoptions.append(adoptable(self, m, mod))
@@ -453,77 +620,92 @@ def test_user_4d_masks_get_fresh_plans_every_step(fake_hopper):
     """A user's own 4D mask reaches the layers without a plan, step after step, with the same shape (a static
     cache): each step gets its own plan (adopting the previous step's, of the same shape, would attend one token
     short) and the result equals the run on 2D masks."""
-    from transformers import StaticCache
-
     model = make_model("deepseek_v3")
     ids, mask, _ = left_padded_batch()
     forced = torch.randint(1, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
     max_len = ids.shape[1] + 8
-    runs = {}
-    for kind in ("2d", "4d"):
-        cache = StaticCache(config=model.config, max_cache_len=max_len)
-        m, pos = mask, (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=m, position_ids=pos, cache=cache, use_cache=True)
-        logits = []
-        for t in range(forced.shape[1]):
-            m, pos = torch.cat([m, torch.ones_like(m[:, :1])], -1), pos[:, -1:] + 1
-            am = m
-            if kind == "4d":  # the user's own boolean mask: padding, the cached tokens and the new one
-                am = torch.zeros(m.shape[0], 1, 1, max_len, dtype=torch.bool)
-                am[:, 0, 0, : m.shape[1]] = m.bool()
-            out = model(input_ids=forced[:, t : t + 1], attention_mask=am, position_ids=pos, cache=cache,
-                        use_cache=True)
-            logits.append(out.logits)
-        runs[kind] = torch.cat(logits, 1)
+
+    def with_4d_mask(attention_mask, **kwargs):  # the user's own boolean mask: padding, cached tokens, the new one
+        am = torch.zeros(attention_mask.shape[0], 1, 1, max_len, dtype=torch.bool)
+        am[:, 0, 0, : attention_mask.shape[1]] = attention_mask.bool()
+        return model(attention_mask=am, **kwargs)
+
+    runs = {
+        kind: decode_logits(model, ids, mask, cache=StaticCache(config=model.config, max_cache_len=max_len),
+                            forced=forced, forward=forward)
+        for kind, forward in (("2d", None), ("4d", with_4d_mask))
+    }
     assert len(fake_hopper.modules["fa3"].plans) == 2 * forced.shape[1]  # one per step, on fa3
     assert rel_err(runs["4d"], runs["2d"]) < TOL
 
 
 # ------------------------------------------------------------------------------------------ CUDA-graph slots
-def test_graph_slot_is_replanned_in_place_once_per_step(fake_hopper, monkeypatch):
-    monkeypatch.setattr(cuda_graphs, "_slots", {})
+def _graph_step(first, end, kv_len=16, mask=None):
+    """A decode step over a static cache of `kv_len` rows, its rows known on the host (or read off `mask`)."""
+    if mask is None:
+        first = torch.tensor(first)
+        growing = GrowingMask(first, first, end)
+        return attach_plan(growing.mask(len(first), 1, kv_len, CPU), growing.rows(1, kv_len))
+    return attach_plan(mask)
+
+
+def _scheduled(slot) -> int:
+    """Which of the fake module's plans the slot's workspace holds."""
+    return int(slot.meta.int_workspace.view(torch.int32)[1])
+
+
+def test_graph_slot_is_reloaded_in_place_once_per_step(fake_hopper, monkeypatch):
+    """A CUDA-graph slot's metadata lives at fixed addresses and is rebuilt there by every step of its shape
+    (batch, query length, static cache length), once per step however many times the step asks (generate()'s
+    compiled step, then the graph op's warm-up run); a step with holes writes explicit indices for itself only.
+    Slots of other shapes are left alone."""
     monkeypatch.setattr(buffers, "_identities", {})
-    cpu = torch.device("cpu")
-    key = (cpu, "fa3", 4, torch.float64, 32, 8, 0.25, 2, 1, 16)
-    slot = cuda_graphs._slots[key] = cuda_graphs.GraphSlot(key)
-    other = cuda_graphs._slots[key[:-1] + (24,)] = cuda_graphs.GraphSlot(key[:-1] + (24,))
-    indices, workspace = slot.kv_indices, slot.int_workspace
+    layer = _layer(pitch=16, scale=0.25)
+    key = ("fa3", layer, 2, 1, 16)  # backend, layer, batch, query length, mask length
+    slot = graphs.slot(key, fa, "fa3", layer, _graph_step([3, 0], 10))  # made and first loaded on first use
+    assert isinstance(slot, graphs.GraphSlot) and graphs._slots[key] is slot
+    other_batch = graphs.slot(("fa3", layer, 3, 1, 16), fa, "fa3", layer, _graph_step([3, 0, 1], 10))
+    wider = _layer(pitch=24, scale=0.25)
+    other_len = graphs.slot(("fa3", wider, 2, 1, 24), fa, "fa3", wider, _graph_step([3, 0], 10, kv_len=24))
+    others = [(s, _scheduled(s)) for s in (other_batch, other_len)]
     fa3 = fake_hopper.modules["fa3"]
-    for end in (10, 11, 12):
-        plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool))
-        plan.ranges = KVRanges(torch.tensor([3, 0]), end)
-        cuda_graphs.plan_graph_slots(plan)
-        cuda_graphs.plan_graph_slots(plan)  # the op's eager run on the same step does not plan again
-        assert len(fa3.plans) == end - 9 and fa3.plans[-1]["kv_len"].tolist() == [end - 3, end]
-        assert slot.kv_indices is indices and slot.int_workspace is workspace  # fixed addresses
+    indices, workspace = slot.meta.kv_indices, slot.meta.int_workspace
+    for end in (11, 12, 13):
+        before = len(fa3.plans)
+        step = _graph_step([3, 0], end)
+        step.load_graph_slots()
+        step.load_graph_slots()  # a second ask on the same step does not plan again
+        route = step.graph_route(None, layer, "fa3")  # nor does the graph op's warm-up run on it
+        assert route.backend == "fa3" and route.slot is slot
+        assert len(fa3.plans) == before + 1 and fa3.plans[-1]["kv_len"].tolist() == [end - 3, end]
+        assert _scheduled(slot) == len(fa3.plans) - 1
+        assert slot.meta.kv_indices is indices and slot.meta.int_workspace is workspace  # fixed addresses
         assert indices.tolist() == list(range(32))  # the identity: only the schedule changes per step
         assert fa3.plans[-1]["kv_indptr"].tolist() == [3, 16, 32]
-        assert other.plan_info is None  # another pitch: another shape, not planned
+        assert [(s, _scheduled(s)) for s in (other_batch, other_len)] == others  # other shapes: not reloaded
     holes = torch.ones(2, 1, 1, 16, dtype=torch.bool)
     holes[0, ..., 5] = holes[1, ..., 12:] = False  # a user's mask with a hole: explicit indices for one step
-    cuda_graphs.plan_graph_slots(metadata.attach_plan(holes))
+    _graph_step(None, None, mask=holes).load_graph_slots()
     assert indices[:27].tolist() == [0, 1, 2, 3, 4] + list(range(6, 16)) + list(range(16, 28))
-    plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool))
-    plan.ranges = KVRanges(torch.tensor([3, 0]), 12)
-    cuda_graphs.plan_graph_slots(plan)
-    assert slot.kv_indices is indices and indices.tolist() == list(range(32))  # the identity is back
+    last = _graph_step([3, 0], 12)
+    last.load_graph_slots()
+    assert slot.meta.kv_indices is indices and indices.tolist() == list(range(32))  # the identity is back
     # Slots plan during CUDA-graph warm-up, whose allocations belong to the graph's pool: never the process-wide
     # identity of eager steps.
     assert buffers._identities == {}
-    q = torch.randn(2, 4, 32, dtype=torch.float64)
-    out = slot.run(q, torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(32, 1, 32, dtype=torch.float64),
-                   torch.randn(32, 1, 8, dtype=torch.float64))
-    assert out.shape == q.shape and fa3.runs == 1
-    slot.layout = slot.layout[:-1] + (1,)  # as if FlashInfer's schedule layout moved between steps
-    plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool))
-    plan.ranges = KVRanges(torch.tensor([3, 0]), 13)
+    g = torch.Generator().manual_seed(0)  # head-major operands, as every kernel call takes them
+    q_lat, q_pe = torch.randn(4, 2, 32, generator=g, dtype=F64), torch.randn(2, 4, 8, generator=g, dtype=F64)
+    kv, k_rot = torch.randn(2, 1, 16, 32, generator=g, dtype=F64), torch.randn(2, 1, 16, 8, generator=g, dtype=F64)
+    out = slot.run(q_lat, q_pe, kv, k_rot)
+    assert fa3.runs == 1 and rel_err(out, reference.attend(last.mask, 0.25, q_lat, q_pe, kv, k_rot)) < 1e-12
+    slot.meta.layout = slot.meta.layout[:-1] + (1,)  # as if FlashInfer's schedule layout moved between steps
     with pytest.raises(RuntimeError, match="schedule layout"):
-        cuda_graphs.plan_graph_slots(plan)
+        _graph_step([3, 0], 13).load_graph_slots()
 
 
 @pytest.mark.parametrize("backend", ["fa3", "fa2"])
 def test_graph_shapes_admitted_are_never_refused(monkeypatch, backend):
-    """`plan_always_accepted` against FlashInfer's own validator: an admitted shape is accepted at every cached
+    """`refusal_for_every_step` against FlashInfer's own validator: an admitted shape is accepted at every cached
     length; a shape it rejects is refused at some length (so the reference fallback in graphs is not needless)."""
     from types import SimpleNamespace
 
@@ -531,10 +713,12 @@ def test_graph_shapes_admitted_are_never_refused(monkeypatch, backend):
     monkeypatch.setattr(_fa_common, "get_device_sm_count", lambda device: 132)
     monkeypatch.setattr(_fa_common, "_get_fa_shared_memory_limits", lambda device: (233472, 232448))
     refused = _fa_common._validate_fa_plan_workload.__globals__["_BackendPlanUnsupportedError"]
+    cuda = torch.device("cuda:0")
     for heads in (1, 4, 16, 20, 24, 32, 64, 96, 128):
         for q_len in (1, 2, 3, 8):
             for batch in (1, 4):
-                admitted = cuda_graphs.plan_always_accepted("cuda:0", batch, q_len, heads)
+                layer = Layer(cuda, torch.bfloat16, torch.bfloat16, heads, 512, 64, 4096, False, 0.1)
+                admitted = fa.refusal_for_every_step(layer, batch, q_len) is None
                 outcomes = []
                 for kv in range(q_len, q_len + 200):
                     try:
@@ -551,59 +735,73 @@ def test_graph_shapes_admitted_are_never_refused(monkeypatch, backend):
                     assert not all(outcomes), (heads, q_len, batch)
 
 
-def test_graph_slot_uploads_the_schedule_planned_ahead(fake_hopper, monkeypatch):
-    """`StepPlan.plan_next` (generate() has queued the step) makes the slot compute the next step's schedule on the
-    host only: the replay still in flight reads the slot's workspace. The next step uploads it if its rows are the
-    predicted ones, and plans anew otherwise."""
-    monkeypatch.setattr(cuda_graphs, "_slots", {})
-    key = (torch.device("cpu"), "fa3", 4, torch.float64, 32, 8, 0.25, 2, 1, 16)
-    slot = cuda_graphs._slots[key] = cuda_graphs.GraphSlot(key)
-    fa3 = fake_hopper.modules["fa3"]
-    first = torch.tensor([3, 0])
+def test_graph_slot_uploads_the_schedule_planned_ahead(fake_hopper):
+    """generate()'s mask update, once it has queued a step, plans the next one over the grown mask
+    (`StepPlan.plan_next`): a CUDA-graph slot computes that schedule on the host only, since the replay still in
+    flight reads the slot's workspace. The next step (its slots loaded before its compiled call) uploads it if its
+    rows are the predicted ones, and plans anew otherwise; nothing is planned ahead for a step that would not fit in
+    the cache."""
+    model = make_model("deepseek_v3")  # only its generate() mask update runs
+    layer = _layer(pitch=16, scale=0.25)
+    fa3 = fake_hopper.modules
 
-    def step(end):
-        plan = metadata.attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool), KVRanges(first, end))
-        cuda_graphs.plan_graph_slots(plan)
-        return plan
+    def grow(mask2d):  # generate()'s update after a step: the next mask, the next step planned ahead
+        return model._update_model_kwargs_for_generation({}, {"attention_mask": mask2d})["attention_mask"]
 
-    def planned_id():  # which of the fake's plans the slot's workspace holds
-        return int(slot.int_workspace.view(torch.int32)[1])
+    def step(mask2d):  # the mask function over a static cache of 16 rows, then generate()'s compiled step
+        mask = masks.flashinfer_mla_mask(batch_size=2, q_length=1, kv_length=16, q_offset=mask2d.shape[1] - 1,
+                                         attention_mask=mask2d, device=CPU)
+        plan_of(mask).load_graph_slots()  # what generate()'s compiled step does before each call
+        return plan_of(mask)
 
-    plan = step(10)
-    assert len(fa3.plans) == 1 and planned_id() == 0
-    plan.plan_next(11)
-    assert len(fa3.plans) == 2 and fa3.plans[1]["ahead"] and fa3.plans[1]["kv_len"].tolist() == [8, 11]
-    assert planned_id() == 0  # not uploaded yet: the slot's workspace still holds this step's schedule
-    plan = step(11)
-    assert len(fa3.plans) == 2 and planned_id() == 1  # the schedule planned ahead, uploaded; no plan of its own
-    plan.plan_next(12)
-    step(13)  # not the predicted rows (two tokens were accepted, say): planned anew
-    assert len(fa3.plans) == 4 and planned_id() == 3 and fa3.plans[3]["kv_len"].tolist() == [10, 13]
-    step(16).plan_next(17)  # the next step would not fit in the cache: nothing is planned ahead
-    assert len(fa3.plans) == 5
+    mask2d = grow(_mask2d([[0, 0, 0] + [1] * 6, [1] * 9]).long())  # after the prefill: width 10
+    first = step(mask2d)
+    assert first.graph_route(None, layer, "fa3").backend == "fa3"  # the graph op's warm-up makes the slot
+    slot = graphs._slots[("fa3", layer, 2, 1, 16)]
+    plans = fa3["fa3"].plans
+    assert len(plans) == 1 and _scheduled(slot) == 0
+    mask2d = grow(mask2d)
+    assert len(plans) == 2 and plans[1]["ahead"] and plans[1]["kv_len"].tolist() == [8, 11]
+    assert _scheduled(slot) == 0  # not uploaded yet: the slot's workspace still holds this step's schedule
+    step(mask2d)
+    assert len(plans) == 2 and _scheduled(slot) == 1  # the schedule planned ahead, uploaded; no plan of its own
+    mask2d = grow(mask2d)  # plans width 12 ahead
+    assert len(plans) == 3 and plans[2]["ahead"]
+    other = attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool), _host_rows([3, 0], 13),
+                        growing=GrowingMask.of(mask2d))  # not the predicted rows
+    other.load_graph_slots()
+    assert len(plans) == 4 and _scheduled(slot) == 3 and plans[3]["kv_len"].tolist() == [10, 13]
+    for _ in range(4):
+        step(mask2d)
+        mask2d = grow(mask2d)
+    assert mask2d.shape[1] == 16 and plans[-1]["kv_len"].tolist() == [13, 16]
+    count = len(plans)
+    step(mask2d)
+    grow(mask2d)  # the next step would not fit in the cache: nothing is planned ahead
+    assert len(plans) == count and _scheduled(slot) == count - 1
 
 
 def test_decode_plans_skip_flashinfers_validator_where_the_bound_proves_acceptance(fake_hopper, monkeypatch):
     """FlashInfer's Python validator walks every sequence of every plan. A non-causal plan whose work items
     (`work_items_bound`) fit the scheduler's capacity is accepted at any lengths, so it is not called for one;
     causal plans, and plans beyond the bound, are still validated."""
-    engine = flashinfer_fa.generated_fa(torch.device("cpu"), "fa3", 4, torch.float64, 32, 8)
+    engine = fa.generated_fa(_layer(), "fa3")
     validated = []
     monkeypatch.setattr(fake_hopper, "validate_workload", lambda *args: validated.append(args))
     engine.sms = 132
     workspace = engine.new_workspace()
-    rows = rows_from_ranges(KVRanges(torch.tensor([0, 3]), 9), 1)
-    engine.plan(rows, rows.kv_indptr, False, workspace)
+    rows = _host_rows([0, 3], 9)
+    engine.plan(rows, rows.kv_indptr(), False, workspace)
     assert validated == []
-    causal = rows_from_ranges(KVRanges(torch.tensor([0, 3]), 9), 2)
-    engine.plan(causal, causal.kv_indptr, True, workspace)
+    causal = _host_rows([0, 3], 9, q_len=2)
+    engine.plan(causal, causal.kv_indptr(), True, workspace)
     assert len(validated) == 1
-    monkeypatch.setattr(flashinfer_fa, "MAX_WORK_ITEMS", 133)  # two sequences' tiles + 132 SMs exceed it
-    engine.plan(rows, rows.kv_indptr, False, workspace)
+    monkeypatch.setattr(fa, "MAX_WORK_ITEMS", 133)  # two sequences' tiles + 132 SMs exceed it
+    engine.plan(rows, rows.kv_indptr(), False, workspace)
     assert len(validated) == 2
     engine.sms = None  # an SM count that is not known (not a CUDA device): always validated
-    monkeypatch.setattr(flashinfer_fa, "MAX_WORK_ITEMS", 16384)
-    engine.plan(rows, rows.kv_indptr, False, workspace)
+    monkeypatch.setattr(fa, "MAX_WORK_ITEMS", 16384)
+    engine.plan(rows, rows.kv_indptr(), False, workspace)
     assert len(validated) == 3
 
 
@@ -618,31 +816,30 @@ def test_work_items_bound_covers_flashinfers_count(heads):
                 kv = (torch.rand(batch, generator=g) * scale).long().clamp(min=q_len).tolist()
                 for causal in (False, True):
                     count = _fa_common._fa_plan_work_count([q_len] * batch, kv, heads, 132, causal)
-                    assert count <= flashinfer_fa.work_items_bound(batch, q_len, heads, 132), (batch, q_len, kv)
+                    assert count <= fa.work_items_bound(batch, q_len, heads, 132), (batch, q_len, kv)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_decode_masks_from_host_ranges_equal_sdpas(seed, monkeypatch):
-    """Inside generate() a decode step's mask is built from its host-known rows (`KVRanges.mask`), not by
-    ``sdpa_mask``: it must be the very tensor sdpa_mask would give, for left padding, 1-8 query tokens, a static
-    cache's unfilled tail, and no 2D mask at all."""
-    from transformers.masking_utils import sdpa_mask
-
+def test_decode_masks_from_host_rows_equal_sdpas(seed, monkeypatch):
+    """Where a decode step's rows are known on the host (generate()'s 2D mask with its `GrowingMask`, or no 2D mask
+    at all) its mask is built from them (`GrowingMask.mask`), not by ``sdpa_mask``: it must be the very tensor
+    sdpa_mask would give, for left padding, 1-8 query tokens and a static cache's unfilled tail; and its plan has
+    the rows without reading the mask."""
     g = torch.Generator().manual_seed(seed)
-    built_by_sdpa = _spy(monkeypatch, metadata, "sdpa_mask")
+    built_by_sdpa = _spy(monkeypatch, masks, "sdpa_mask")
+    from_mask = _spy(monkeypatch, Rows, "from_mask")
     for q_len in (1, 2, 8):
         batch, width = 3, int(torch.randint(10, 40, (1,), generator=g))
         kv_len = width + int(torch.randint(0, 5, (1,), generator=g))  # > width: a static cache's tail
         first = torch.randint(0, width - q_len, (batch,), generator=g)
-        padding = torch.arange(width)[None, :] >= first[:, None]
+        padding = _growing((torch.arange(width)[None, :] >= first[:, None]).long())
         for attention_mask in (padding, None):
-            with _Call():
-                args = dict(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=width - q_len,
-                            attention_mask=attention_mask, device=torch.device("cpu"))
-                if attention_mask is None:
-                    args["kv_length"] = kv_len = width
-                mask = metadata.flashinfer_mla_mask(**args)
+            args = dict(batch_size=batch, q_length=q_len, kv_length=kv_len if attention_mask is not None else width,
+                        q_offset=width - q_len, attention_mask=attention_mask, device=CPU)
+            mask = masks.flashinfer_mla_mask(**args)
             expected = sdpa_mask(**args, allow_is_causal_skip=False)
             assert mask.dtype == torch.bool and mask.is_contiguous() and torch.equal(mask, expected), (q_len, first)
-            assert metadata.plan_of(mask).ranges is not None
-    assert built_by_sdpa == []  # every mask above came from the rows
+            rows = plan_of(mask).rows()
+            assert rows.end == width and rows.first.tolist() == (first.tolist() if attention_mask is not None
+                                                                 else [0] * batch)
+    assert built_by_sdpa == [] and from_mask == []  # every mask above came from the rows, and so did each plan

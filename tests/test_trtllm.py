@@ -1,25 +1,138 @@
-"""Blackwell decode that runs without a GPU: the head-count rule, the counter buffer, the packed-page view, the block
-tables (`hf_flashinfer_mla.trtllm`, `hf_flashinfer_mla.buffers`), and the call into FlashInfer, checked by a
-stand-in for ``trtllm_batch_decode_with_kv_cache_mla`` that applies FlashInfer's own argument checks."""
+"""Blackwell decode that runs without a GPU: the head-count rule (`capabilities`), the counter buffer
+(`kernels.trtllm`, `buffers`), the packed-page view, the block tables built from a step's host rows
+(`trtllm.build` / `trtllm.fixed`), the step's route when trtllm-gen declines it (`plan.StepPlan.route`), and the call
+into FlashInfer, checked by `FakeTrtllm`: a stand-in for ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla``
+that applies FlashInfer's documented contract and its own argument checks, then computes the attention exactly
+(float64) through the packed pages and block tables it is given. `blackwell` / `fake_blackwell` make the package
+believe it runs on an SM100 GPU with that kernel (``test_trtllm_graphs.py`` and ``test_dispatch.py`` use them too).
+"""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
 
 import flashinfer.mla
 import flashinfer.utils
 import pytest
 import torch
+from conftest import package_warnings
 from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import _trtllm_gen_mla_incompatibility_reason
 from flashinfer.utils import _resolve_trtllm_gen_multi_ctas_kv_counter_buffer, get_trtllm_gen_multi_ctas_kv_counter_bytes
 
 import hf_flashinfer_mla
-from hf_flashinfer_mla import MLALatentLayer, buffers, trtllm
-from hf_flashinfer_mla.metadata import StepPlan
-from hf_flashinfer_mla.reference import mla_attention_reference
-from hf_flashinfer_mla.trtllm import _block_tables, multi_ctas_kv_counter_buffer, packed_pages, trtllm_gen_supports_num_heads
+from hf_flashinfer_mla import MLALatentLayer, buffers, capabilities
+from hf_flashinfer_mla import plan as plan_module
+from hf_flashinfer_mla.buffers import multi_ctas_kv_counter_buffer
+from hf_flashinfer_mla.capabilities import trtllm_gen_supports_num_heads
+from hf_flashinfer_mla.kernels import Layer, Refused, graphs, trtllm
+from hf_flashinfer_mla.kernels.reference import mla_attention_reference
+from hf_flashinfer_mla.kernels.trtllm import packed_pages
+from hf_flashinfer_mla.plan import StepPlan, decode_latent
+from hf_flashinfer_mla.rows import Rows
 
 RANK, ROPE, ROW, PAGE = 512, 64, 576, 64
+SM_COUNT = 148  # a B200
 CPU = torch.device("cpu")
 META = torch.device("meta")
+
+
+# ---------------------------------------------------------------------------------------- the FlashInfer stand-in
+
+
+@dataclass
+class FakeTrtllm:
+    """``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`` on the CPU.
+
+    It takes exactly the keywords the package passes (any other is a TypeError) and asserts FlashInfer's contract:
+    ``query [B, Sq, H, L + R]``; ``kv_cache`` the *packed* paged cache ``[pages, page_size, L + R]`` (one row per
+    token, latent then rope); ``block_tables [B, pages]`` and ``seq_lens [B]`` int32; ``max_seq_len`` a Python int
+    bounding the lengths; ``bmm1_scale`` a Python float (a captured graph holds it as a constant); ``backend="auto"``
+    with a caller-owned uint8 ``multi_ctas_kv_counter_buffer`` that FlashInfer's own check accepts (trtllm-gen
+    counts in it), or ``backend="cute-dsl"`` with none (FlashInfer raises if one is given). Then it computes the
+    attention of each sequence over the first ``seq_lens[b]`` rows of its pages, causal over the step's query
+    tokens, in float64. Each call is recorded (`calls`), with copies of its tables and lengths and the counter
+    tensor itself (held, so that a buffer allocated anew per call could not reuse a freed address)."""
+
+    sm_count: int = SM_COUNT
+    calls: list = field(default_factory=list)
+
+    def __call__(self, *, query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+                 block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend,
+                 multi_ctas_kv_counter_buffer=None):
+        assert query.dim() == 4, query.shape
+        b, sq, h, width = query.shape
+        for value in (qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, max_seq_len):
+            assert type(value) is int, value
+        assert width == kv_lora_rank + qk_rope_head_dim
+        # The packed paged cache: [pages, page_size, L + R], rows adjacent, one page after the other.
+        assert kv_cache.dim() == 3 and kv_cache.shape[1] in (32, 64) and kv_cache.shape[2] == width, kv_cache.shape
+        page = kv_cache.shape[1]
+        assert kv_cache.stride() == (page * width, width, 1), kv_cache.stride()
+        assert kv_cache.dtype == query.dtype and kv_cache.device == query.device
+        assert workspace_buffer.dtype == torch.uint8 and workspace_buffer.is_contiguous()
+        assert workspace_buffer.device == query.device
+        assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == b
+        assert seq_lens.dtype == torch.int32 and seq_lens.shape == (b,)
+        assert block_tables.device == seq_lens.device == query.device
+        lens = seq_lens.tolist()
+        assert all(n >= sq for n in lens) and max_seq_len >= max(lens), (lens, max_seq_len)
+        assert all(-(-n // page) <= block_tables.shape[1] for n in lens), (lens, block_tables.shape)
+        assert type(bmm1_scale) is float and type(bmm2_scale) is float and bmm2_scale == 1.0
+        counter = multi_ctas_kv_counter_buffer
+        eligible = _trtllm_gen_mla_incompatibility_reason(num_heads_q=h, block_size=page) is None
+        if backend == "cute-dsl" or (backend == "auto" and not eligible):
+            if counter is not None:  # what FlashInfer 0.7.4 raises
+                raise ValueError("multi_ctas_kv_counter_buffer is only supported when a trtllm-gen runner is selected")
+        elif backend == "auto":
+            # The package's side of the contract: its own zero-once buffer, never FlashInfer's per-call allocation.
+            assert counter is not None, "trtllm-gen must be given the package's counter buffer"
+            assert counter.dtype == torch.uint8 and counter.dim() == 1
+            _resolve_trtllm_gen_multi_ctas_kv_counter_buffer(counter, b * sq, h, self.sm_count, query.device)
+        else:
+            raise AssertionError(f"unexpected backend {backend!r}")
+        # The pages each sequence reads: inside the cache, and no page read by two sequences of the batch.
+        read = [block_tables[i, : -(-n // page)].long() for i, n in enumerate(lens)]
+        everything = torch.cat(read)
+        assert bool(((everything >= 0) & (everything < kv_cache.shape[0])).all()), block_tables
+        assert everything.unique().numel() == everything.numel(), block_tables
+        self.calls.append(dict(
+            backend=backend, counter=counter, heads=h, batch=b, q_len=sq, tables=block_tables.clone(),
+            seq_lens=seq_lens.clone(), max_seq_len=max_seq_len, tables_ptr=block_tables.data_ptr(),
+            seq_lens_ptr=seq_lens.data_ptr(), kv_storage=kv_cache.untyped_storage().data_ptr(),
+            pages=kv_cache.shape[0], scale=bmm1_scale))
+        out = torch.empty(b, sq, h, kv_lora_rank, dtype=torch.float64)
+        for i, n in enumerate(lens):
+            kv = kv_cache[read[i]].reshape(-1, width)[:n].double()  # [n, L + R]
+            scores = torch.einsum("qhd,kd->hqk", query[i].double(), kv) * bmm1_scale
+            visible = torch.arange(n)[None, :] <= torch.arange(n - sq, n)[:, None]  # [Sq, n]
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            out[i] = torch.einsum("hqk,kd->qhd", probs, kv[:, :kv_lora_rank])
+        return out.to(query.dtype)
+
+
+def blackwell(monkeypatch, dtype=torch.float64, dims=(32, 8), sm_count=SM_COUNT) -> FakeTrtllm:
+    """Make the package see an SM100 GPU (any device) whose trtllm-gen/cute-dsl kernel is a `FakeTrtllm`, for
+    `dtype` and latent `dims`; with fresh device buffers, graph slots and captured routes."""
+    kernel = FakeTrtllm(sm_count)
+    monkeypatch.setattr(capabilities, "device_capability", lambda device: (10, 0))
+    monkeypatch.setattr(capabilities, "KERNEL_DTYPES", (dtype,))
+    monkeypatch.setattr(capabilities, "KERNEL_DIMS", tuple(dims))
+    monkeypatch.setattr(capabilities, "_flashinfer_import_error", lambda: None)
+    monkeypatch.setattr(flashinfer.mla, "trtllm_batch_decode_with_kv_cache_mla", kernel)
+    monkeypatch.setattr(flashinfer.utils, "get_device_sm_count", lambda device: sm_count)
+    monkeypatch.setattr(buffers, "WORKSPACE_BYTES", 1 << 16)
+    monkeypatch.setattr(buffers, "_workspaces", {})
+    monkeypatch.setattr(buffers, "_counters", {})
+    monkeypatch.setattr(graphs, "_slots", {})
+    monkeypatch.setattr(plan_module, "_captured", {})
+    return kernel
+
+
+@pytest.fixture
+def fake_blackwell(monkeypatch):
+    """`blackwell` for conftest's float64 models (latent 32 + rope 8)."""
+    return blackwell(monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------------- head counts
@@ -49,7 +162,7 @@ def test_rule_never_sends_flashinfer_a_head_count_it_refuses():
 
 
 def test_exported_from_package():
-    assert hf_flashinfer_mla.trtllm_gen_supports_num_heads is trtllm_gen_supports_num_heads
+    assert hf_flashinfer_mla.trtllm_gen_supports_num_heads is capabilities.trtllm_gen_supports_num_heads
     assert hf_flashinfer_mla.multi_ctas_kv_counter_buffer is buffers.multi_ctas_kv_counter_buffer
 
 
@@ -175,7 +288,7 @@ def sm_count(monkeypatch):
 
     def fake(device):
         asked.append(device)
-        return 148
+        return SM_COUNT
 
     monkeypatch.setattr(flashinfer.utils, "get_device_sm_count", fake)
     return asked
@@ -196,69 +309,67 @@ def test_counter_buffer_sized_for_a_worst_case_and_kept(clean_counters, sm_count
 # ---------------------------------------------------------------------------------------------------- the kernel call
 
 
-def _fake_trtllm_decode(calls):
-    """Stands in for ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla``: FlashInfer's own checks of the counter
-    buffer and of trtllm-gen eligibility (the functions FlashInfer calls), then the attention it would compute over
-    the paged cache (causal over the step's query tokens), so that the indices are checked too."""
-
-    def fake(*, query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, block_tables,
-             seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend, multi_ctas_kv_counter_buffer=None):
-        calls.append({"backend": backend, "counter": multi_ctas_kv_counter_buffer, "heads": query.shape[2]})
-        b, sq, h, width = query.shape
-        assert width == kv_lora_rank + qk_rope_head_dim and kv_cache.shape[1:] == (PAGE, width)
-        assert block_tables.dtype == seq_lens.dtype == torch.int32 and max_seq_len == int(seq_lens.max())
-        assert workspace_buffer.dtype == torch.uint8 and bmm2_scale == 1.0
-        eligible = _trtllm_gen_mla_incompatibility_reason(num_heads_q=h, block_size=kv_cache.shape[1]) is None
-        if multi_ctas_kv_counter_buffer is not None:
-            if backend == "cute-dsl" or (backend == "auto" and not eligible):
-                raise ValueError("multi_ctas_kv_counter_buffer is only supported when a trtllm-gen runner is selected")
-            _resolve_trtllm_gen_multi_ctas_kv_counter_buffer(multi_ctas_kv_counter_buffer, b, h, 148, query.device)
-        out = query.new_empty(b, sq, h, kv_lora_rank)
-        for i in range(b):
-            n = int(seq_lens[i])
-            kv = kv_cache[block_tables[i].long()].reshape(-1, width)[:n]  # [n, L + R]
-            scores = torch.einsum("qhd,kd->hqk", query[i], kv) * bmm1_scale
-            visible = torch.arange(n)[None, :] <= torch.arange(n - sq, n)[:, None]  # [Sq, n]
-            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-            out[i] = torch.einsum("hqk,kd->qhd", probs, kv[:, :kv_lora_rank])
-        return out
-
-    return fake
-
-
-@pytest.mark.parametrize("backend, heads", [("trtllm-gen", 16), ("cute-dsl", 96), ("cute-dsl", 16),
-                                            ("trtllm-gen", 128), ("cute-dsl", 24)])
-@pytest.mark.parametrize("q_len", [1, 3])
-def test_trtllm_decode_call_contract(monkeypatch, clean_counters, sm_count, backend, heads, q_len):
-    calls = []
-    monkeypatch.setattr(flashinfer.mla, "trtllm_batch_decode_with_kv_cache_mla", _fake_trtllm_decode(calls))
-    monkeypatch.setattr(trtllm, "workspace_buffer", lambda device: torch.zeros(1024, dtype=torch.uint8))
-    g = torch.Generator().manual_seed(heads + q_len)
-    starts, s = [0, 64, 0], 150  # left padding aligned to trtllm-gen's pages
-    layer, _ = _filled_layer(len(starts), [s], seed=heads)
-    kv_latent, k_rot = layer.keys, layer.values
+def _left_padded_mask(starts, s, q_len=1) -> torch.Tensor:
+    """``[B, 1, q_len, s]`` causal decode mask of rows ``[start_b, s)`` (query ``j`` sees up to ``s - q_len + j``)."""
     mask = torch.zeros(len(starts), 1, q_len, s, dtype=torch.bool)
     for i, start in enumerate(starts):
         for j in range(q_len):
             mask[i, 0, j, start : s - q_len + 1 + j] = True
+    return mask
+
+
+@pytest.mark.parametrize("requested, heads, backend", [
+    ("trtllm-gen", 16, "trtllm-gen"), ("cute-dsl", 96, "cute-dsl"), ("cute-dsl", 16, "cute-dsl"),
+    ("trtllm-gen", 128, "trtllm-gen"), ("cute-dsl", 24, "cute-dsl"), ("auto", 16, "trtllm-gen"),
+    ("auto", 96, "cute-dsl"),
+])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_trtllm_decode_call_contract(monkeypatch, caplog, requested, heads, backend, q_len):
+    """A step routed to trtllm-gen or cute-dsl (`plan.decode_latent`, as the attention routes a layer) makes one
+    FlashInfer call per layer with the contract `FakeTrtllm` checks: the packed pages of the cache itself, block
+    tables and lengths of the step's rows, the counter buffer for trtllm-gen only; and computes the reference's
+    attention."""
+    kernel = blackwell(monkeypatch, torch.float32, (RANK, ROPE))
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    g = torch.Generator().manual_seed(heads + q_len)
+    starts, s = [0, 64, 0], 150  # left padding aligned to trtllm-gen's pages
+    layer, _ = _filled_layer(len(starts), [s], seed=heads)
+    kv_latent, k_rot = layer.keys, layer.values
+    mask = _left_padded_mask(starts, s, q_len)
     q_lat = torch.randn(len(starts), heads, q_len, RANK, generator=g) * 0.05
     q_pe = torch.randn(len(starts), heads, q_len, ROPE, generator=g) * 0.05
-    out = trtllm.trtllm_decode(backend, StepPlan(mask), q_lat, q_pe, kv_latent, k_rot, 0.1)
-    assert len(calls) == 1
-    call = calls[0]
-    assert call["heads"] == heads
+    step = StepPlan(mask)
+    out = decode_latent(step, requested, q_lat, q_pe, kv_latent, k_rot, 0.1)
+    (route,) = step.routes.values()
+    assert route.backend == backend
+    assert len(kernel.calls) == 1
+    call = kernel.calls[0]
+    assert call["heads"] == heads and call["batch"] == len(starts) and call["q_len"] == q_len
     if backend == "cute-dsl":
         assert call["backend"] == "cute-dsl" and call["counter"] is None
+        assert CPU not in buffers._counters  # cute-dsl never allocates one
     else:
         assert call["backend"] == "auto" and call["counter"] is buffers._counters[CPU]
+    # The kernel read the cache's own storage (no copy), through tables of the step's rows.
+    assert call["kv_storage"] == layer._buffer.untyped_storage().data_ptr()
+    lens = [s - st for st in starts]
+    pitch_pages = layer._buffer.shape[2] // PAGE
+    assert call["seq_lens"].tolist() == lens and call["max_seq_len"] == max(lens)
+    pages = -(-max(lens) // PAGE)
+    assert call["tables"].tolist() == [[b * pitch_pages + st // PAGE + i for i in range(pages)]
+                                       for b, st in enumerate(starts)]
+    assert call["scale"] == 0.1
     ref = mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, mask, 0.1)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    assert [m for m in package_warnings(caplog) if "declines" in m] == []
 
 
 def test_fake_rejects_what_flashinfer_rejects(monkeypatch, clean_counters, sm_count):
-    """Control: the stand-in raises for the calls the old code made (a counter with cute-dsl), and for a counter
-    sized for too few query tokens, as FlashInfer does."""
-    fake = _fake_trtllm_decode([])
+    """Control: the stand-in raises for the calls the old code made (a counter with cute-dsl), for a counter sized
+    for too few query tokens, as FlashInfer does, and for what the contract excludes: an unpacked cache, a scale
+    given as a tensor, a length its table does not cover, int64 tables, and trtllm-gen without the package's
+    counter."""
+    fake = FakeTrtllm()
     layer, _ = _filled_layer(1, [64])
     pages = packed_pages(layer.keys, layer.values)
     args = dict(query=torch.zeros(1, 1, 96, ROW), kv_cache=pages, workspace_buffer=torch.zeros(8, dtype=torch.uint8),
@@ -270,18 +381,31 @@ def test_fake_rejects_what_flashinfer_rejects(monkeypatch, clean_counters, sm_co
         fake(**args, backend="cute-dsl", multi_ctas_kv_counter_buffer=counter)
     with pytest.raises(ValueError, match="trtllm-gen runner"):
         fake(**args, backend="auto", multi_ctas_kv_counter_buffer=counter)  # 96 heads: no trtllm-gen runner
+    fake(**args, backend="cute-dsl")
     args["query"] = torch.zeros(1, 1, 128, ROW)
     with pytest.raises(ValueError, match="too small"):
         fake(**args, backend="auto", multi_ctas_kv_counter_buffer=torch.zeros(16, dtype=torch.uint8))
-    fake(**args, backend="auto", multi_ctas_kv_counter_buffer=trtllm.counter_buffer(1, 128, CPU))
+    good = trtllm.counter_buffer(1, 128, CPU)
+    fake(**args, backend="auto", multi_ctas_kv_counter_buffer=good)
+    with pytest.raises(AssertionError, match="counter"):
+        fake(**args, backend="auto")
+    split = torch.zeros(1, PAGE, ROW + 8)[..., :ROW]  # rows not adjacent
+    bad = [dict(kv_cache=split), dict(bmm1_scale=torch.tensor(0.1)), dict(max_seq_len=torch.tensor(64)),
+           dict(seq_lens=torch.tensor([65], dtype=torch.int32), max_seq_len=65),
+           dict(block_tables=torch.zeros(1, 1, dtype=torch.int64)),
+           dict(block_tables=torch.full((1, 1), pages.shape[0], dtype=torch.int32))]  # a page past the cache
+    for change in bad:
+        with pytest.raises(AssertionError):
+            fake(**{**args, **change}, backend="auto", multi_ctas_kv_counter_buffer=good)
+    assert len(fake.calls) == 2  # only the accepted calls ran
 
 
 # ---------------------------------------------------------------------------------------------------- packed pages
 
 
-def _filled_layer(batch, steps, seed=0):
+def _filled_layer(batch, steps, seed=0, packed=True):
     g = torch.Generator().manual_seed(seed)
-    layer = MLALatentLayer(packed=True)  # the layout trtllm-gen reads (the default on Blackwell)
+    layer = MLALatentLayer(packed=packed)  # packed: the layout trtllm-gen reads (the default on Blackwell)
     kvs, rots = [], []
     for n in steps:
         kv = torch.randn(batch, 1, n, RANK, generator=g)
@@ -336,6 +460,9 @@ def test_packed_pages_none_for_separate_tensors():
     kv2 = torch.cat([kv, torch.randn(2, 1, 1, RANK, generator=g)], 2)
     rot2 = torch.cat([rot, torch.randn(2, 1, 1, ROPE, generator=g)], 2)
     assert packed_pages(kv2, rot2) is None
+    # The split layout of MLALatentLayer (Hopper, Ampere, CPU).
+    layer, _ = _filled_layer(2, [10], packed=False)
+    assert packed_pages(layer.keys, layer.values) is None
 
 
 def test_packed_pages_none_when_sequences_not_page_aligned():
@@ -358,18 +485,34 @@ def test_packed_pages_of_page_aligned_packed_tensor():
 # ---------------------------------------------------------------------------------------------------- block tables
 
 
-def _plan(valid: torch.Tensor) -> StepPlan:
-    return StepPlan(valid[:, None, None, :].clone())
+def _layer(pitch: int, packed: bool = True, device=CPU, heads: int = 16) -> Layer:
+    return Layer(device, torch.float32, torch.float32, heads, RANK, ROPE, pitch, packed, 0.1)
 
 
-def test_block_tables_unpadded():
+def _tables(mask: torch.Tensor, pitch_pages: int):
+    """``(block_tables, seq_lens, max_seq_len)`` that `trtllm.build` makes for the step of `mask` (rows read off the
+    mask) on a packed cache of `pitch_pages` pages per sequence."""
+    meta = trtllm.build("trtllm-gen", StepPlan(mask), _layer(pitch_pages * PAGE))
+    assert meta.backend == "trtllm-gen" and not meta.fixed
+    assert meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32
+    assert meta.counter is buffers._counters[CPU]
+    return meta.block_tables, meta.seq_lens, meta.max_seq_len
+
+
+def _plan_mask(valid: torch.Tensor) -> torch.Tensor:
+    return valid[:, None, None, :].clone()
+
+
+@pytest.fixture
+def builds(clean_counters, sm_count):
+    """`trtllm.build` for trtllm-gen allocates the counter buffer: give it a device SM count and fresh buffers."""
+
+
+def test_block_tables_unpadded(builds):
     pitch_pages = 4
     s = 150
     valid = torch.ones(3, s, dtype=torch.bool)
-    out = _block_tables(_plan(valid), CPU, pitch_pages, PAGE)
-    assert not isinstance(out, str)
-    tables, seq_lens, max_len = out
-    assert tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    tables, seq_lens, max_len = _tables(_plan_mask(valid), pitch_pages)
     assert max_len == s
     assert seq_lens.tolist() == [s, s, s]
     n = -(-s // PAGE)
@@ -377,13 +520,13 @@ def test_block_tables_unpadded():
     assert tables.tolist() == [[b * pitch_pages + i for i in range(n)] for b in range(3)]
 
 
-def test_block_tables_unequal_lengths_right_side():
+def test_block_tables_unequal_lengths_right_side(builds):
     """Sequences of different lengths that start at row 0 (a static cache's unfilled tail is masked)."""
     pitch_pages = 8
     lengths = [1, 64, 65, 300]
     s = 320
     valid = torch.arange(s)[None, :] < torch.tensor(lengths)[:, None]
-    tables, seq_lens, max_len = _block_tables(_plan(valid), CPU, pitch_pages, PAGE)
+    tables, seq_lens, max_len = _tables(_plan_mask(valid), pitch_pages)
     assert seq_lens.tolist() == lengths
     assert max_len == 300
     n = -(-300 // PAGE)
@@ -392,14 +535,12 @@ def test_block_tables_unequal_lengths_right_side():
         assert tables[b].tolist() == [b * pitch_pages + i for i in range(n)]
 
 
-def test_block_tables_left_padding_page_aligned():
+def test_block_tables_left_padding_page_aligned(builds):
     pitch_pages = 6
     s = 320
     starts = [0, 64, 128, 256]
     valid = torch.arange(s)[None, :] >= torch.tensor(starts)[:, None]
-    out = _block_tables(_plan(valid), CPU, pitch_pages, PAGE)
-    assert not isinstance(out, str)
-    tables, seq_lens, max_len = out
+    tables, seq_lens, max_len = _tables(_plan_mask(valid), pitch_pages)
     lens = [s - st for st in starts]
     assert seq_lens.tolist() == lens
     assert max_len == max(lens)
@@ -413,7 +554,7 @@ def test_block_tables_left_padding_page_aligned():
         assert tables[b, :needed].tolist() == [first_page + i for i in range(needed)]
 
 
-def test_block_tables_left_padding_tokens_land_on_table_pages():
+def test_block_tables_left_padding_tokens_land_on_table_pages(builds):
     """Cross-check against packed_pages: the rows the table points at are the sequence's valid tokens."""
     batch, s = 2, 200
     layer, latent = _filled_layer(batch, [s])
@@ -421,47 +562,146 @@ def test_block_tables_left_padding_tokens_land_on_table_pages():
     pitch = layer._buffer.shape[2]
     starts = [64, 0]
     valid = torch.arange(s)[None, :] >= torch.tensor(starts)[:, None]
-    tables, seq_lens, _ = _block_tables(_plan(valid), CPU, pitch // PAGE, PAGE)
+    tables, seq_lens, _ = _tables(_plan_mask(valid), pitch // PAGE)
     for b in range(batch):
         n = int(seq_lens[b])
-        gathered = pages[tables[b].long()].reshape(-1, ROW)[:n]
+        gathered = pages[tables[b, : -(-n // PAGE)].long()].reshape(-1, ROW)[:n]
         assert torch.equal(gathered, latent[b, 0, starts[b] :])
 
 
 @pytest.mark.parametrize("starts", [[0, 3], [1, 1], [63, 0], [65, 128]])
-def test_block_tables_left_padding_not_aligned_is_a_reason(starts):
+def test_block_tables_left_padding_not_aligned_is_refused(builds, starts):
     s = 200
     valid = torch.arange(s)[None, :] >= torch.tensor(starts)[:, None]
-    out = _block_tables(_plan(valid), CPU, 4, PAGE)
-    assert isinstance(out, str)
-    assert "page" in out and "aligned" in out
+    with pytest.raises(Refused, match="left padding does not start on trtllm-gen's 64-token pages"):
+        trtllm.build("trtllm-gen", StepPlan(_plan_mask(valid)), _layer(4 * PAGE))
 
 
-def test_block_tables_hole_in_mask_is_a_reason():
+def test_block_tables_hole_in_mask_is_refused(builds):
     valid = torch.ones(2, 128, dtype=torch.bool)
     valid[1, 70] = False  # not one contiguous run: no table can describe it
-    out = _block_tables(_plan(valid), CPU, 2, PAGE)
-    assert isinstance(out, str)
+    with pytest.raises(Refused, match="the step's mask has holes"):
+        trtllm.build("trtllm-gen", StepPlan(_plan_mask(valid)), _layer(2 * PAGE))
 
 
-def test_block_tables_from_decode_mask_last_query_row():
+def test_block_tables_of_a_split_cache_are_refused(builds):
+    valid = torch.ones(2, 128, dtype=torch.bool)
+    with pytest.raises(Refused, match="the cache does not store the latent packed"):
+        trtllm.build("trtllm-gen", StepPlan(_plan_mask(valid)), _layer(2 * PAGE, packed=False))
+    with pytest.raises(Refused, match="the cache does not store the latent packed"):
+        trtllm.fixed("trtllm-gen", _layer(2 * PAGE, packed=False), 2, 1)
+
+
+def test_block_tables_from_decode_mask_last_query_row(builds):
     """A causal multi-token mask: the tables follow what the last query token sees."""
     s, q = 130, 3
-    mask = torch.zeros(2, 1, q, s, dtype=torch.bool)
-    for i in range(q):
-        mask[:, 0, i, : s - q + 1 + i] = True
-    mask[1, 0, :, :64] = False  # aligned left padding on sequence 1
-    tables, seq_lens, max_len = _block_tables(StepPlan(mask), CPU, 3, PAGE)
+    mask = _left_padded_mask([0, 64], s, q)
+    tables, seq_lens, max_len = _tables(mask, 3)
     assert seq_lens.tolist() == [s, s - 64]
     assert max_len == s
     assert tables[0, 0].item() == 0 and tables[1, 0].item() == 3 + 1
 
 
-def test_block_tables_additive_mask():
+def test_block_tables_additive_mask(builds):
     s = 128
     valid = torch.arange(s)[None, :] >= torch.tensor([0, 64])[:, None]
     additive = torch.zeros(2, 1, 1, s)
     additive[~valid[:, None, None, :]] = torch.finfo(torch.float32).min
-    tables, seq_lens, max_len = _block_tables(StepPlan(additive), CPU, 2, PAGE)
+    tables, seq_lens, max_len = _tables(additive, 2)
     assert seq_lens.tolist() == [128, 64]
     assert tables[:, 0].tolist() == [0, 3]
+
+
+def test_block_tables_come_from_the_host_rows_without_reading_the_mask(builds, monkeypatch):
+    """With the rows known on the host (as generate() knows them), the tables are computed on the host and only
+    uploaded: the mask here lives on the meta device, which holds no data, so any read of it would raise."""
+    uploads = []
+    real = trtllm.to_device
+
+    def recording(host, device):
+        uploads.append((host.clone(), device))
+        return real(host, device)
+
+    monkeypatch.setattr(trtllm, "to_device", recording)
+    mask = torch.ones(3, 1, 1, 200, dtype=torch.bool, device=META)
+    rows = Rows(torch.tensor([200, 136, 8], dtype=torch.int32), 1, torch.tensor([0, 64, 192]), end=200)
+    meta = trtllm.build("trtllm-gen", StepPlan(mask, rows), _layer(4 * PAGE, device=META))
+    assert meta.block_tables.device == meta.seq_lens.device == META and meta.max_seq_len == 200
+    (tables, to1), (lens, to2) = uploads
+    assert to1 == to2 == META and tables.device == lens.device == CPU
+    assert tables.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8], [11, 12, 13, 14]]
+    assert lens.tolist() == [200, 136, 8]
+
+
+def test_graph_metadata_is_rebuilt_in_place_from_each_steps_rows(builds):
+    """`trtllm.fixed` (a CUDA-graph slot's metadata): tables over the whole capacity, the capacity as the maximum
+    length, the counter grown before capture; `build(into=...)` rewrites them in place for every step, at the same
+    addresses, and a step it refuses leaves them untouched."""
+    layer = _layer(4 * PAGE)
+    meta = trtllm.fixed("trtllm-gen", layer, 3, 1)
+    assert meta.fixed and meta.backend == "trtllm-gen"
+    assert meta.block_tables.shape == (3, 4) and meta.block_tables.dtype == torch.int32
+    assert meta.seq_lens.shape == (3,) and meta.seq_lens.dtype == torch.int32 and meta.max_seq_len == 4 * PAGE
+    assert meta.counter is buffers._counters[CPU]
+    assert meta.counter.numel() == get_trtllm_gen_multi_ctas_kv_counter_bytes(trtllm.COUNTER_MIN_TOKENS, 16, SM_COUNT)
+    addresses = (meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.counter.data_ptr())
+    for starts, s in (([0, 64, 128], 200), ([0, 0, 0], 201), ([192, 64, 0], 256)):
+        valid = torch.arange(s)[None, :] >= torch.tensor(starts)[:, None]
+        assert trtllm.build("trtllm-gen", StepPlan(_plan_mask(valid)), layer, into=meta) is meta
+        assert (meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.counter.data_ptr()) == addresses
+        assert meta.max_seq_len == 4 * PAGE  # a constant of the captured graph
+        assert meta.seq_lens.tolist() == [s - st for st in starts]
+        for b, st in enumerate(starts):
+            needed = -(-(s - st) // PAGE)
+            assert meta.block_tables[b, :needed].tolist() == [b * 4 + st // PAGE + i for i in range(needed)]
+    before = meta.block_tables.clone(), meta.seq_lens.clone()
+    valid = torch.arange(200)[None, :] >= torch.tensor([0, 3, 0])[:, None]
+    with pytest.raises(Refused, match="left padding"):
+        trtllm.build("trtllm-gen", StepPlan(_plan_mask(valid)), layer, into=meta)
+    assert torch.equal(meta.block_tables, before[0]) and torch.equal(meta.seq_lens, before[1])
+    # The same shape on cute-dsl: no counter, none allocated.
+    buffers._counters.clear()
+    assert trtllm.fixed("cute-dsl", layer, 3, 1).counter is None and CPU not in buffers._counters
+
+
+# ------------------------------------------------------------------------------- steps trtllm-gen cannot serve
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("hole", "the step's mask has holes"),
+    ("unaligned", "left padding does not start on trtllm-gen's N-token pages"),
+    ("split", "the cache does not store the latent packed"),
+])
+@pytest.mark.parametrize("requested, heads, backend", [
+    ("auto", 16, "trtllm-gen"), ("auto", 24, "cute-dsl"), ("trtllm-gen", 16, "trtllm-gen"),
+])
+def test_step_trtllm_cannot_serve_runs_on_the_reference(monkeypatch, caplog, case, reason, requested, heads, backend):
+    """A step whose mask has a hole, whose left padding does not start on a page, or whose cache stores the latent
+    split: the step's route falls down `capabilities.fallbacks` to the reference backend (never a kernel call on
+    wrong indices), with one warning naming the reason, and computes exactly the reference's output."""
+    kernel = blackwell(monkeypatch, torch.float32, (RANK, ROPE))
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    s, starts = 200, {"unaligned": [0, 64, 3]}.get(case, [0, 64, 128])
+    layer, _ = _filled_layer(len(starts), [s], seed=heads, packed=case != "split")
+    mask = _left_padded_mask(starts, s)
+    if case == "hole":
+        mask[1, 0, 0, 100] = False
+    g = torch.Generator().manual_seed(heads)
+    q_lat = torch.randn(len(starts), heads, 1, RANK, generator=g) * 0.05
+    q_pe = torch.randn(len(starts), heads, 1, ROPE, generator=g) * 0.05
+    for _ in range(2):  # a second step of the same kind: the same route, no second warning
+        step = StepPlan(mask.clone())
+        out = decode_latent(step, requested, q_lat, q_pe, layer.keys, layer.values, 0.1)
+        (route,) = step.routes.values()
+        assert route.backend == "reference"
+        assert kernel.calls == []
+        assert torch.equal(out, mla_attention_reference(q_lat, q_pe, layer.keys, layer.values, mask, 0.1))
+    declined = [m for m in package_warnings(caplog) if "declines" in m]
+    assert len(declined) == 1, declined
+    head = f"flashinfer_mla: {backend} declines some decode steps of 1 query token(s) at {heads} heads ({reason}"
+    assert declined[0].startswith(head) and declined[0].endswith("); those steps run on reference."), declined
+    # Control: the same step with aligned rows on a packed cache runs the kernel.
+    if case != "split":
+        step = StepPlan(_left_padded_mask([0, 64, 128], s))
+        decode_latent(step, requested, q_lat, q_pe, layer.keys, layer.values, 0.1)
+        assert next(iter(step.routes.values())).backend == backend and len(kernel.calls) == 1

@@ -45,5 +45,7 @@ class Layer:
 
 
 def cache_pitch(latent: torch.Tensor) -> int:
-    """Rows between two sequences of a ``[B, 1, S, D]`` cache view (its capacity per sequence)."""
-    return latent.stride(0) // latent.stride(2) if latent.shape[0] > 1 else latent.shape[2]
+    """Rows between two sequences of a ``[B, 1, S, D]`` cache view: its capacity per sequence (for one sequence
+    too, where the view's batch stride still spans its buffer; any other single sequence has its length)."""
+    pitch, rem = divmod(latent.stride(0), latent.stride(2))
+    return pitch if not rem and pitch >= latent.shape[2] else latent.shape[2]

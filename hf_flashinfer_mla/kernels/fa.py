@@ -33,7 +33,7 @@ import transformers.utils.logging  # noqa: F401  (gives logging.Logger its info_
 
 from ..buffers import identity_rows, workspace_buffer
 from ..rows import Rows
-from . import Refused
+from . import Refused, cache_pitch
 
 logger = logging.getLogger("hf_flashinfer_mla")
 
@@ -78,10 +78,9 @@ def cache_rows(latent: torch.Tensor) -> torch.Tensor:
     if latent.stride(-1) != 1:
         raise ValueError("the latent cache must be contiguous in its last dimension")
     row = latent.stride(2)
-    if latent.stride(0) % row:
+    if latent.shape[0] > 1 and latent.stride(0) % row:
         raise ValueError(f"cache batch stride {latent.stride(0)} is not a whole number of rows of {row}")
-    pitch = latent.stride(0) // row if latent.shape[0] > 1 else latent.shape[2]
-    rows = (latent.shape[0] - 1) * pitch + latent.shape[2]
+    rows = (latent.shape[0] - 1) * cache_pitch(latent) + latent.shape[2]
     return latent.as_strided((rows, 1, latent.shape[-1]), (row, row, 1), latent.storage_offset())
 
 

@@ -29,23 +29,25 @@ from . import Refused
 logger = logging.getLogger("hf_flashinfer_mla")
 
 
+class SlotRefused(RuntimeError):
+    """A slot's kernel cannot serve a step of its shape; raised where a replay of its graph would follow."""
+
+
 class GraphSlot:
     """Fixed-address metadata of one decode shape on one kernel, rebuilt in place every step."""
 
     def __init__(self, family, backend: str, layer, batch: int, q_len: int):
         self.family, self.backend, self.layer, self.batch, self.q_len = family, backend, layer, batch, q_len
-        self.kv_len: int | None = None  # the mask length of the steps it serves (a static cache's length)
         self.meta = family.fixed(backend, layer, batch, q_len)
 
     def load(self, step, staged=None) -> None:
         """This step's metadata into the slot's buffers. A step the kernel declines cannot switch backends in a
         replayed graph, so it raises, naming the way out (for instance trtllm-gen with left padding that does not
         start on a page, in a shape captured with aligned rows)."""
-        self.kv_len = step.kv_len
         try:
             self.family.build(self.backend, step, self.layer, into=self.meta, staged=staged)
         except Refused as exc:
-            raise RuntimeError(
+            raise SlotRefused(
                 f"flashinfer_mla: {self.backend} cannot run this step of a CUDA graph captured on it ({exc}), and a "
                 "replayed graph cannot switch backends; generate with disable_compile=True (or without padding) for "
                 "such batches.") from None
@@ -58,14 +60,15 @@ class GraphSlot:
         return self.family.run(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot)
 
 
-# (backend, layer, batch, q_len) -> its slot, or "reference" for a shape captured on the reference backend.
+# (backend, layer, batch, q_len, mask length) -> its slot, or "reference" for a shape captured on the reference
+# backend. The mask length is a static cache's length: two caches of one capacity are two graphs, two slots.
 _slots: dict[tuple, GraphSlot | str] = {}
 
 
 def slots_for(batch: int, q_len: int, kv_len: int) -> list[tuple[tuple, GraphSlot]]:
-    """The slots a step of this shape must reload before its replay (a static cache's mask spans its capacity)."""
-    return [(key, slot) for key, slot in _slots.items()
-            if isinstance(slot, GraphSlot) and (slot.batch, slot.q_len, slot.kv_len) == (batch, q_len, kv_len)]
+    """The slots a step of this shape must reload before its replay."""
+    return [(key, slot) for key, slot in _slots.items() if isinstance(slot, GraphSlot) and key[2:] == (batch, q_len,
+                                                                                                         kv_len)]
 
 
 def slot(key: tuple, family, backend: str, layer, step) -> GraphSlot | str:
@@ -81,7 +84,6 @@ def slot(key: tuple, family, backend: str, layer, step) -> GraphSlot | str:
             def build():
                 new = GraphSlot(family, backend, layer, batch, q_len)
                 family.build(backend, step, layer, into=new.meta)  # (a first step declined: capture the reference)
-                new.kv_len = step.kv_len
                 return new
 
             try:

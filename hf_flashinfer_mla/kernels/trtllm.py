@@ -110,12 +110,12 @@ def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=
 def fixed(backend: str, layer, batch: int, q_len: int) -> TrtllmMetadata:
     """Fixed-address metadata for a CUDA-graph slot: tables over the cache's whole capacity, the capacity as the
     maximum length, and the device's counter buffer grown now, before capture, for this shape."""
-    if not layer.packed or layer.pitch % PAGE_SIZE:
+    if not layer.packed:  # (packed_pages already proved every sequence starts on a page)
         raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
     i32 = dict(dtype=torch.int32, device=layer.device)
     counter = counter_buffer(batch * q_len, layer.heads, layer.device) if backend == "trtllm-gen" else None
-    return TrtllmMetadata(backend, torch.zeros(batch, layer.pitch // PAGE_SIZE, **i32), torch.zeros(batch, **i32),
-                          layer.pitch, counter, fixed=True)
+    return TrtllmMetadata(backend, torch.zeros(batch, -(-layer.pitch // PAGE_SIZE), **i32),
+                          torch.zeros(batch, **i32), layer.pitch, counter, fixed=True)
 
 
 def refusal_for_every_step(layer, batch: int, q_len: int) -> str | None:

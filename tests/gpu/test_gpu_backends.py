@@ -4,9 +4,16 @@ Skipped without CUDA. Run on the H200 with ``python -m pytest -q tests/gpu -s`` 
 The bounds are checked to be discriminating: the same comparison with a deliberately wrong softmax scale or a
 plan that leaks the padding must fail them, and each control asserts that its fault was injected where the decode
 path really runs (`test_bounds_catch_wrong_scale_and_mask`).
+
+Where the decode path is observed or faulted: ``kernels.fa.build`` (every fa2/fa3 plan a step builds; the step's
+plan calls it through ``plan.FAMILIES``, i.e. as a module attribute at call time), ``kernels.fa.run`` (every fa2/fa3
+launch), ``plan.StepPlan.rows`` (the rows every builder reads), ``rows.Rows.from_mask`` (the one read of a step's
+mask) and ``plan.StepPlan.load_graph_slots`` (the reload of the CUDA-graph slots before a replay).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,9 +21,10 @@ import transformers
 from transformers import DynamicCache, StaticCache
 
 import hf_flashinfer_mla
-from hf_flashinfer_mla import cuda_graphs, dispatch, flashinfer_fa, metadata
-from hf_flashinfer_mla.attention import decode_latent
-from hf_flashinfer_mla.metadata import StepPlan
+from hf_flashinfer_mla import capabilities
+from hf_flashinfer_mla.kernels import Refused, fa, graphs
+from hf_flashinfer_mla.plan import StepPlan, decode_latent
+from hf_flashinfer_mla.rows import Rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -28,13 +36,23 @@ TOP1_MIN = 0.90  # bf16 with random weights has near-tied logits: eager vs refer
 
 
 def _available(backend):
-    reason = dispatch.unavailable_reason(backend, DEV, torch.bfloat16, 512, 64, 16)
+    reason = capabilities.unavailable_reason(backend, DEV, torch.bfloat16, 512, 64, 16)
     if reason:
         pytest.skip(f"{backend}: {reason}")
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _decode(step, requested, *operands):
+    """`plan.decode_latent` (one layer routed on the step `step` as the attention function routes it), and the
+    route it took: the backend it landed on after any refusal."""
+    before = set(step.routes)
+    out = decode_latent(step, requested, *operands)
+    added = [route for key, route in step.routes.items() if key not in before]
+    assert len(added) == 1, "decode_latent routes each call once"
+    return out, added[0]
 
 
 # ---------------------------------------------------------------- kernel level
@@ -73,27 +91,31 @@ def test_kernel_matches_reference(backend, heads, layout):
         4, heads, 300, left_pad=[0, 17, 64, 299], static_tail=37 if layout == "static" else 0,
         layer_layout=layout if layout in ("latent", "packed") else None,
     )
-    plan = StepPlan(mask)
+    step = StepPlan(mask)
     scale = 192**-0.5
-    ref = decode_latent("reference", plan, q_lat.double(), q_pe.double(), kv.double(), kr.double(), scale)
-    out = decode_latent(backend, plan, q_lat, q_pe, kv, kr, scale)
+    ref = decode_latent(step, "reference", q_lat.double(), q_pe.double(), kv.double(), kr.double(), scale)
+    out, route = _decode(step, backend, q_lat, q_pe, kv, kr, scale)
     err = rel(out, ref)
     print(f"kernel {backend} H={heads} {layout}: rel err {err:.2e}")
+    assert route.backend == backend  # the kernel ran, not a fallback
     assert torch.isfinite(out).all()
     assert err < KERNEL_TOL
 
 
 def _refusals(monkeypatch):
-    """Record every plan FlashInfer declines (the step then runs on fa2 or the reference backend)."""
+    """Record every plan FlashInfer declines (`kernels.Refused` from the fa2/fa3 builder; the step then tries the
+    next backend of its chain: fa2, then the reference backend)."""
     refused = []
-    real = flashinfer_fa.FaStep.__init__
+    real = fa.build
 
-    def init(self, *args, **kwargs):
-        real(self, *args, **kwargs)
-        if self.refused:
-            refused.append((self.backend, self.num_heads, self.refused))
+    def build(backend, step, layer, into=None, staged=None):
+        try:
+            return real(backend, step, layer, into=into, staged=staged)
+        except Refused as exc:
+            refused.append((backend, layer.heads, str(exc)))
+            raise
 
-    monkeypatch.setattr(flashinfer_fa.FaStep, "__init__", init)
+    monkeypatch.setattr(fa, "build", build)
     return refused
 
 
@@ -103,8 +125,8 @@ def _refusals(monkeypatch):
 def test_multi_token_causal_kernel_matches_reference(backend, heads, q_len, monkeypatch):
     """2-8 query tokens per sequence (assisted decoding) on causal plans, over several cached lengths so that
     FlashInfer's causal tile bound refuses some steps at head counts not dividing its query tile (20, 24): the
-    step's backend (fa_backend_for_step, as the attention function resolves it) is then fa2 or the reference, and
-    the result still matches the reference."""
+    step's route (``StepPlan.route``, as the attention function resolves it) then falls to fa2 or the reference,
+    and the result still matches the reference."""
     _available(backend)
     refused = _refusals(monkeypatch)
     scale, worst, fallbacks = 192**-0.5, 0.0, set()
@@ -113,12 +135,10 @@ def test_multi_token_causal_kernel_matches_reference(backend, heads, q_len, monk
     for s in (66, 67, 130, 200):
         q_lat, q_pe, kv, kr, mask = _latent_case(3, heads, s, left_pad=[0, 9, 40], static_tail=0,
                                                  layer_layout="latent", q_len=q_len, seed=s)
-        plan = StepPlan(mask)
-        chosen = flashinfer_fa.fa_backend_for_step(plan, backend, DEV, heads, torch.bfloat16, 512, 64,
-                                                   flashinfer_fa.cache_rows(kv)[1], scale)
-        fallbacks.add(chosen)
-        ref = decode_latent("reference", plan, q_lat.double(), q_pe.double(), kv.double(), kr.double(), scale)
-        out = decode_latent(chosen, plan, q_lat, q_pe, kv, kr, scale)
+        step = StepPlan(mask)
+        ref = decode_latent(step, "reference", q_lat.double(), q_pe.double(), kv.double(), kr.double(), scale)
+        out, route = _decode(step, backend, q_lat, q_pe, kv, kr, scale)
+        fallbacks.add(route.backend)
         assert torch.isfinite(out).all()
         worst = max(worst, rel(out, ref))
     print(f"causal {backend} H={heads} q={q_len}: rel err {worst:.2e}, backends {sorted(fallbacks)}, "
@@ -227,34 +247,37 @@ def test_teacher_forced_64_steps_match_eager_and_reference(shaped, backend, cach
 
 def test_bounds_catch_wrong_scale_and_mask(shaped, monkeypatch):
     """A kernel fed a 10% wrong scale, or a plan that leaks the left padding, must fail the bounds above. Each
-    fault is injected where the decode path really runs (FaStep.run launches every fa2/fa3 layer, paged_rows
-    builds every step's rows) and the control asserts it was reached: a control that stopped injecting (the
-    decode path moved) fails instead of passing silently."""
-    backend = "fa3" if dispatch.unavailable_reason("fa3", DEV, torch.bfloat16, 512, 64, 16) is None else "fa2"
+    fault is injected where the decode path really runs (``kernels.fa.run`` launches every fa2/fa3 layer, with the
+    layer spec whose scale the generated module is given; ``StepPlan.rows`` hands every builder the step's rows)
+    and the control asserts it was reached: a control that stopped injecting (the decode path moved) fails
+    instead of passing silently."""
+    backend = "fa3" if capabilities.unavailable_reason("fa3", DEV, torch.bfloat16, 512, 64, 16) is None else "fa2"
     _available(backend)
+    # FlashInfer's public wrapper takes the scale at plan time, not at the launch this control wraps.
+    assert fa.uses_generated_module(), "the wrong-scale control needs FlashInfer's generated-module path"
     name, model, eager, _ = shaped
     layers = model.config.num_hidden_layers
     launches, leaks = [], []
-    real_run, real_rows = flashinfer_fa.FaStep.run, flashinfer_fa.paged_rows
+    real_run = fa.run
 
-    def wrong_scale(self, q_nope, q_rope, ckv, kpe, pitch, scale, *fp8_scales):
-        launches.append(scale)
-        return real_run(self, q_nope, q_rope, ckv, kpe, pitch, scale * 1.1, *fp8_scales)
+    def wrong_scale(meta, layer, *args, **kwargs):
+        launches.append(layer.scale)
+        return real_run(meta, dataclasses.replace(layer, scale=layer.scale * 1.1), *args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(flashinfer_fa.FaStep, "run", wrong_scale)
+        m.setattr(fa, "run", wrong_scale)
         wrong = _compare(_teacher_forced(model, DynamicCache(config=model.config), mla_backend=backend), eager)
     assert len(launches) == 64 * layers  # every decode layer of every step ran with the fault
 
-    def leaky_rows(plan, device):
-        leaks.append(plan)
-        valid = plan.kv_valid(device)
-        return flashinfer_fa.rows_from_mask(torch.ones_like(valid), plan.q_len)  # padding included
+    def leaky_rows(step):
+        leaks.append(step)  # (kept alive: distinct plans have distinct ids)
+        valid = step.mask[:, 0, -1, :]
+        return Rows.from_mask(torch.ones_like(valid), step.q_len)  # padding included
 
     with monkeypatch.context() as m:
-        m.setattr(flashinfer_fa, "paged_rows", leaky_rows)
+        m.setattr(StepPlan, "rows", leaky_rows)
         leaky = _compare(_teacher_forced(model, DynamicCache(config=model.config), mla_backend=backend), eager)
-    assert len(leaks) == 64  # once per step: every step's plan leaked
+    assert len({id(step) for step in leaks}) == 64  # every step's plan leaked (its builder read these rows)
     print(f"{name} controls: wrong scale rel {wrong[0]:.2e} top1 {wrong[1]:.3f}; "
           f"leaky mask rel {leaky[0]:.2e} top1 {leaky[1]:.3f}")
     for err, top1 in (wrong, leaky):
@@ -320,8 +343,8 @@ def test_generate_plans_on_the_host_and_matches_the_mask_planned_path(monkeypatc
     model = _model("v3")
     model.set_attn_implementation("flashinfer_mla")
     from_mask = []
-    real_from_mask = flashinfer_fa.rows_from_mask
-    monkeypatch.setattr(flashinfer_fa, "rows_from_mask", lambda *a: from_mask.append(1) or real_from_mask(*a))
+    real_from_mask = Rows.from_mask.__func__
+    monkeypatch.setattr(Rows, "from_mask", classmethod(lambda cls, *a: from_mask.append(1) or real_from_mask(cls, *a)))
     ids, mask, _ = _prompts()
     new = 24
     with torch.no_grad():
@@ -379,25 +402,39 @@ def test_generate_decode_steps_do_not_sync(monkeypatch):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(RuntimeError):
-            flashinfer_fa.rows_from_mask(torch.ones(2, 8, dtype=torch.bool, device=DEV), 1)
+            Rows.from_mask(torch.ones(2, 8, dtype=torch.bool, device=DEV), 1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("planner", ["direct", "wrapper"])
-def test_planners_agree(planner, monkeypatch):
-    """FlashInfer's generated module called directly and its public wrapper run the same plan: the same logits."""
+def test_planners_agree_with_the_reference(monkeypatch):
+    """FlashInfer's generated module called directly and its public wrapper (``HF_FLASHINFER_MLA_FA_PLANNER=wrapper``)
+    give the reference backend's logits, and each run used the planner it was told to (the wrapper's plan is spied
+    on: never called by the direct planner, once per step by the wrapper)."""
     _available("fa3")
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
     model = _model("v2-lite")
     model.set_attn_implementation("flashinfer_mla")
-    monkeypatch.setenv(flashinfer_fa.PLANNER_ENV, "direct")
-    direct = _teacher_forced(model, DynamicCache(config=model.config), mla_backend="fa3")
-    monkeypatch.setenv(flashinfer_fa.PLANNER_ENV, planner)
-    assert flashinfer_fa.uses_generated_module() is (planner == "direct")
-    other = _teacher_forced(model, DynamicCache(config=model.config), mla_backend="fa3")
-    err = rel(other, direct)
-    print(f"planner {planner} vs direct: logits rel err {err:.2e}")
-    assert err < 1e-3
+    wrapper_plans = []
+    real_plan = BatchMLAPagedAttentionWrapper.plan
+    monkeypatch.setattr(BatchMLAPagedAttentionWrapper, "plan",
+                        lambda self, *a, **k: wrapper_plans.append(1) or real_plan(self, *a, **k))
+    reference = _teacher_forced(model, DynamicCache(config=model.config), mla_backend="reference")
+    logits, plans = {}, {}
+    for planner in ("direct", "wrapper"):
+        monkeypatch.setenv(fa.PLANNER_ENV, planner)
+        assert fa.uses_generated_module() is (planner == "direct")
+        before = len(wrapper_plans)
+        logits[planner] = _teacher_forced(model, DynamicCache(config=model.config), mla_backend="fa3")
+        plans[planner] = len(wrapper_plans) - before
+    for planner, out in logits.items():
+        err, top1 = _compare(out, reference)
+        print(f"planner {planner} vs reference: logits rel err {err:.2e}, top-1 {top1:.3f}")
+        assert err < LOGIT_TOL and top1 >= TOP1_MIN
+    print(f"direct vs wrapper: logits rel err {rel(logits['wrapper'], logits['direct']):.2e}; wrapper plans {plans}")
+    assert plans["direct"] == 0 and plans["wrapper"] == 64  # one plan per teacher-forced step
+    assert rel(logits["wrapper"], logits["direct"]) < 1e-3
 
 
 # ---------------------------------------------------------------- CUDA graphs
@@ -437,6 +474,9 @@ def test_cuda_graphs_teacher_forced_match_uncompiled(backend, monkeypatch):
     graphed = _teacher_forced_static(model, torch.compile(model.forward, mode="reduce-overhead"))
     err, top1 = _compare(graphed, plain)
     print(f"cuda graphs {backend}: teacher-forced logits rel err {err:.2e}, top-1 agreement {top1:.3f}")
+    # The compiled step ran the graph op on a CUDA-graph slot of the forced backend, not on the reference.
+    assert any(isinstance(slot, graphs.GraphSlot) and key[0] == backend and key[2] == 4
+               for key, slot in graphs._slots.items())
     assert torch.isfinite(graphed).all()
     assert err < LOGIT_TOL and top1 >= TOP1_MIN
     del model
@@ -446,7 +486,8 @@ def test_cuda_graphs_teacher_forced_match_uncompiled(backend, monkeypatch):
 def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch):
     """generate(cache_implementation="static") compiles the decode step itself; with CUDA graphs (replays) it
     produces exactly what the same compiled step produces without graphs (every step planned and launched). The
-    graphs' slots are re-planned before every replay without a device sync (sync debug mode "error" around it)."""
+    graphs' slots are reloaded before every replay without a device sync (sync debug mode "error" around
+    ``StepPlan.load_graph_slots``, which the mask function calls outside the compiled region)."""
     _available("fa3")
     from transformers import CompileConfig
 
@@ -454,33 +495,33 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch)
     model.set_attn_implementation("flashinfer_mla")
     ids, mask, _ = _prompts()
     planned = []
-    real_plan = cuda_graphs.plan_graph_slots
+    real_load = StepPlan.load_graph_slots
 
-    def strict_plan(plan):
-        planned.append(len(cuda_graphs._slots))
+    def strict_load(step):
+        planned.append(len(graphs.slots_for(step.batch_size, step.q_len, step.kv_len)))
         torch.cuda.set_sync_debug_mode("error")
         try:
-            real_plan(plan)
+            real_load(step)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(cuda_graphs, "plan_graph_slots", strict_plan)
+    monkeypatch.setattr(StepPlan, "load_graph_slots", strict_load)
     runs = {}
     for mode in ("default", "reduce-overhead"):
         torch._dynamo.reset()
         runs[mode] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                                     cache_implementation="static", compile_config=CompileConfig(mode=mode),
                                     output_logits=True, return_dict_in_generate=True)
-    assert cuda_graphs._slots and max(planned) > 0  # slots existed and were re-planned, sync-free, step by step
+    assert graphs._slots and max(planned) > 0  # slots of the step's shape existed and were reloaded, sync-free
     err = rel(torch.stack(runs["reduce-overhead"].logits), torch.stack(runs["default"].logits))
     print(f"generate with CUDA graphs vs compiled without: logits rel err {err:.2e}")
     # No recompilation per step or per call: a further 24-step generate compiles no new graph.
     from torch._dynamo.utils import counters
 
-    graphs = counters["stats"]["unique_graphs"]
+    compiled = counters["stats"]["unique_graphs"]
     again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                            cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == compiled
     assert torch.equal(again, runs["reduce-overhead"].sequences)
     assert torch.equal(runs["reduce-overhead"].sequences, runs["default"].sequences)
     assert err < 1e-3

@@ -2,21 +2,21 @@
 
 Kernel level: fa3 over an FP8 cache against the float64 reference over the same values dequantized. Model level
 (issue 9's accuracy check): 64 teacher-forced decode steps of the V2-Lite and V3 shapes with the FP8 cache against
-the bf16 latent cache; the bound is shown to be discriminating by a control that doubles the dequantization scale
-the kernel is given (and asserts that it reached every decode layer). Skipped without CUDA.
+the bf16 latent cache; the bound is shown to be discriminating by a control that doubles the dequantization scales
+the kernel is given (wrapping ``kernels.fa.run``, the launch of every fa3 layer, and asserting that it reached every
+decode layer). Skipped without CUDA.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_backends import DEV, KERNEL_TOL, SHAPES, _available, _compare, _model, _teacher_forced, rel
+from test_gpu_backends import DEV, KERNEL_TOL, SHAPES, _available, _compare, _decode, _model, _teacher_forced, rel
 
 import hf_flashinfer_mla
-from hf_flashinfer_mla import attention
-from hf_flashinfer_mla.attention import decode_latent
-from hf_flashinfer_mla.cache import FP8, LatentScales, latent_scales
-from hf_flashinfer_mla.metadata import StepPlan
+from hf_flashinfer_mla.cache import FP8, latent_scales
+from hf_flashinfer_mla.kernels import fa
+from hf_flashinfer_mla.plan import StepPlan, decode_latent
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -42,13 +42,31 @@ def test_fa3_reads_fp8_latent_in_place(heads):
     q_lat = torch.randn(b, heads, 1, 512, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
     q_pe = torch.randn(b, heads, 1, 64, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
     scales = latent_scales(kv)
-    plan, scale = StepPlan(mask), 192**-0.5
-    ref = decode_latent("reference", plan, q_lat.double(), q_pe.double(), kv.double() * scales.latent,
+    step, scale = StepPlan(mask), 192**-0.5
+    ref = decode_latent(step, "reference", q_lat.double(), q_pe.double(), kv.double() * scales.latent,
                         kr.double() * scales.rope, scale)
-    out = decode_latent("fa3", plan, q_lat, q_pe, kv, kr, scale)
+    out, route = _decode(step, "fa3", q_lat, q_pe, kv, kr, scale)
     err = rel(out, ref)
     print(f"fa3 FP8 latent H={heads}: rel err {err:.2e} (scales {scales})")
+    # fa3 itself read the FP8 rows in place (not a fallback, not a dequantized copy)
+    assert route.backend == "fa3" and route.dequantize is None and route.layer.kv_dtype == FP8
     assert torch.isfinite(out).all() and err < KERNEL_TOL
+
+
+def _fa_launches(monkeypatch, factor=1.0):
+    """Record the dequantization scales every fa2/fa3 launch is given (None: the cache is not read as FP8), and
+    hand the kernel `factor` times them (the control's fault)."""
+    seen = []
+    real = fa.run
+
+    def run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None):
+        seen.append(kv_scales)
+        if kv_scales is not None:
+            kv_scales = tuple(factor * s for s in kv_scales)
+        return real(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales)
+
+    monkeypatch.setattr(fa, "run", run)
+    return seen
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -56,22 +74,21 @@ def test_fp8_cache_64_steps_against_bf16_cache_with_control(shape, monkeypatch):
     _available("fa3")
     model = _model(shape)
     model.set_attn_implementation("flashinfer_mla")
+    layers = model.config.num_hidden_layers
     bf16 = _teacher_forced(model, hf_flashinfer_mla.MLALatentCache(config=model.config))
     fp8_cache = hf_flashinfer_mla.MLALatentCache(config=model.config, dtype=FP8)
-    ours = _teacher_forced(model, fp8_cache)
+    with monkeypatch.context() as m:
+        launches = _fa_launches(m)
+        ours = _teacher_forced(model, fp8_cache)
     assert fp8_cache.layers[0].keys.dtype == FP8
+    # every decode layer of every step launched fa3 on the FP8 rows in place, with their scales
+    assert len(launches) == 64 * layers and all(s is not None for s in launches)
     err, top1 = _compare(ours, bf16)
-    calls = []
-    real = attention.latent_scales
-
-    def doubled(kv_latent):
-        calls.append(1)
-        s = real(kv_latent)
-        return LatentScales(2 * s.latent, 2 * s.rope)
-
-    monkeypatch.setattr(attention, "latent_scales", doubled)
-    wrong = _compare(_teacher_forced(model, hf_flashinfer_mla.MLALatentCache(config=model.config, dtype=FP8)), bf16)
-    assert len(calls) == 64 * model.config.num_hidden_layers  # the control reached every decode layer
+    with monkeypatch.context() as m:
+        calls = _fa_launches(m, factor=2.0)
+        wrong = _compare(_teacher_forced(model, hf_flashinfer_mla.MLALatentCache(config=model.config, dtype=FP8)),
+                         bf16)
+    assert len(calls) == 64 * layers and all(s is not None for s in calls)  # the control reached every layer
     scales = [layer.scales for layer in fp8_cache.layers]
     print(f"{shape} FP8 cache vs bf16 cache: rel {err:.2e} top1 {top1:.3f}; control (2x scale): rel {wrong[0]:.2e} "
           f"top1 {wrong[1]:.3f}; scales {scales}")

@@ -1,0 +1,159 @@
+"""generate(cache_implementation="static") on the GPU as users run it: the decode step compiled by Transformers'
+default compile config (inductor, mode="reduce-overhead": CUDA graphs), in one process, for a sequence of batch
+sizes and lengths. The CPU analogue is ``tests/test_compile.py``
+(`test_compiled_static_generate_runs_the_graph_op_for_any_sequence_of_shapes`). Skipped without CUDA; run with
+``-s`` to print the compile counts and the error table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gpu_backends import DEV, LOGIT_TOL, TOP1_MIN, _available, _compare, _model
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from hf_flashinfer_mla import plan as planning
+from hf_flashinfer_mla.kernels import fa, graphs, reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (prompt lengths, left-padded into one batch; max_new_tokens): batch 1, 4, 16, then 1 again, with two different
+# max_new_tokens. Transformers 5.24 sizes each call's static cache to the largest length asked so far (prompt width +
+# max_new_tokens - 1), so the cache length, i.e. the graphs' key length, changes too: 27, 71, 81, 81.
+CASES = (
+    ((20,), 8),
+    ((37, 20, 64, 5), 8),
+    ((9, 17, 33, 5, 48, 12, 70, 26, 3, 61, 40, 8, 55, 19, 30, 66), 12),
+    ((20,), 8),
+)
+
+
+def _batch(lengths, seed):
+    """Random token ids [B, max(lengths)] left-padded with 0, and their mask, on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(1, 4096, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids.to(DEV), mask.to(DEV)
+
+
+class _Replay(LogitsProcessor):
+    """Makes generate() pick `tokens` ([B, T], another run's generated tokens) whatever its logits say, so that a
+    second run is teacher-forced along the first one's tokens; generate() still reports its raw logits."""
+
+    def __init__(self, tokens: torch.Tensor, prompt_width: int):
+        self.tokens, self.prompt_width = tokens, prompt_width
+
+    def __call__(self, input_ids, scores):
+        t = input_ids.shape[1] - self.prompt_width
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(1, self.tokens[:, t : t + 1], 0.0)
+
+
+def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
+    """Static-cache generate() with Transformers' default compile config (CUDA graphs) at batch 1, 4 (left-padded),
+    16, then 1 again, with two different max_new_tokens, on DeepSeek-V3's attention shape (128 heads, q_lora,
+    YaRN; two dense layers, so no MoE's data-dependent shapes; bf16, random weights). No call crashes; every
+    compiled decode step runs FlashInfer's fa3 through a CUDA-graph slot (captured, for each batch size, on the
+    graph op's slot, and reloaded before every step), never the reference backend nor the eager route (which a
+    graph break or a compile-limit fallback would take); and the logits are those of the uncompiled flashinfer_mla
+    run (``disable_compile=True``).
+
+    How the two runs are compared: not by token equality. Both run the same fa3 kernel on the same plans, but
+    inductor fuses and reorders the bf16 ops around it (norms, rope, projections), which moves these random-weight
+    logits by ~2e-2 relative (``test_gpu_backends.test_cuda_graphs_teacher_forced_match_uncompiled`` measures it)
+    and flips greedy choices at near ties, after which two greedy runs legitimately part. So the uncompiled run is
+    teacher-forced along the compiled run's tokens (`_Replay`, a logits processor: generate() still reports its raw
+    logits) and the logits of every step are compared with the suite's bounds: relative error below `LOGIT_TOL` per
+    call and top-1 agreement of at least `TOP1_MIN` over all calls (the bounds the leaky-mask and wrong-scale
+    controls of ``test_gpu_backends`` show to be discriminating). Tokens are not compared for equality anywhere.
+
+    The number of dynamo compiles (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``) and of CUDA graphs
+    inductor declined (``counters["inductor"]["cudagraph_skips"]``) is printed per call."""
+    _available("fa3")
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    # This test's own slots and captured routes (process caches: earlier tests' slots would be reloaded too).
+    monkeypatch.setattr(graphs, "_slots", {})
+    monkeypatch.setattr(planning, "_captured", {})
+    model = _model("v3")
+    model.set_attn_implementation("flashinfer_mla")
+    layers = model.config.num_hidden_layers
+
+    eager_launches, slot_loads, slot_runs, references = [], [], [], []
+    real_run, real_build = fa.run, fa.build
+    real_slot_run, real_reference = graphs.GraphSlot.run, reference.mla_attention_reference
+
+    def run(meta, layer, *args, **kwargs):
+        if not meta.fixed:  # an eager step's own metadata (a slot's is fixed)
+            eager_launches.append(layer.heads)
+        return real_run(meta, layer, *args, **kwargs)
+
+    def build(backend, step, layer, into=None, staged=None):
+        if into is not None:  # a CUDA-graph slot (re)loaded with a step's metadata
+            slot_loads.append(step.batch_size)
+        return real_build(backend, step, layer, into=into, staged=staged)
+
+    def slot_run(self, *args):
+        slot_runs.append((self.backend, self.batch, torch.cuda.is_current_stream_capturing()))
+        return real_slot_run(self, *args)
+
+    def counted_reference(*args):
+        references.append(1)
+        return real_reference(*args)
+
+    monkeypatch.setattr(fa, "run", run)
+    monkeypatch.setattr(fa, "build", build)
+    monkeypatch.setattr(graphs.GraphSlot, "run", slot_run)
+    monkeypatch.setattr(reference, "mla_attention_reference", counted_reference)
+
+    agree, compiles = [], 0
+    for i, (lengths, new) in enumerate(CASES):
+        ids, mask = _batch(lengths, seed=i)
+        width, batch = ids.shape[1], ids.shape[0]
+        graphs_before, skips_before = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+        loads_before, launches_before, runs_before = len(slot_loads), len(eager_launches), len(slot_runs)
+        compiled = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                  cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+        new_graphs = counters["stats"]["unique_graphs"] - graphs_before
+        skips = counters["inductor"]["cudagraph_skips"] - skips_before
+        compiles += new_graphs
+        loads, compiled_launches = len(slot_loads) - loads_before, len(eager_launches) - launches_before
+        captured = sorted({b for _, b, capturing in slot_runs[runs_before:] if capturing})
+
+        launches_before = len(eager_launches)
+        plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                               cache_implementation="static", disable_compile=True, output_logits=True,
+                               return_dict_in_generate=True,
+                               logits_processor=LogitsProcessorList([_Replay(compiled.sequences[:, width:], width)]))
+        plain_launches = len(eager_launches) - launches_before
+        ours, oracle = torch.stack(compiled.logits, 1), torch.stack(plain.logits, 1)  # [B, new, V] float32
+        err, top1 = _compare(ours, oracle)
+        agree.append((ours.argmax(-1) == oracle.argmax(-1)).flatten())
+        print(f"static generate B={batch} new={new}: {new_graphs} compiles (unique graphs; {compiles} so far), "
+              f"{skips} cudagraph skips, slots loaded {loads}x, captured batches {captured}; "
+              f"vs uncompiled: rel {err:.2e} top1 {top1:.3f}")
+
+        assert compiled.sequences.shape == (batch, width + new)
+        assert torch.equal(plain.sequences, compiled.sequences)  # the replay followed the compiled run's tokens
+        assert compiled_launches == 0  # no compiled decode step fell back to the eager route
+        assert loads >= new - 1  # every compiled decode step (after the prefill) reloaded its slot
+        assert plain_launches == layers * (new - 1)  # the oracle ran fa3 eagerly on every decode layer
+        assert torch.isfinite(ours).all()
+        assert err < LOGIT_TOL
+    top1 = torch.cat(agree).float().mean().item()
+    captured = {(backend, b) for backend, b, capturing in slot_runs if capturing}
+    slots = {key[2] for key, slot in graphs._slots.items() if isinstance(slot, graphs.GraphSlot) and key[0] == "fa3"}
+    print(f"static generate: {compiles} compiles in all; top-1 agreement over all calls {top1:.3f}; "
+          f"fa3 slots for batches {sorted(slots)}")
+    assert compiles >= 1  # the decode step was compiled
+    assert {("fa3", 1), ("fa3", 4), ("fa3", 16)} <= captured  # CUDA graphs captured on fa3 slots, each batch size
+    assert {1, 4, 16} <= slots and "reference" not in graphs._slots.values()
+    assert references == []  # no step, compiled or not, ran the reference backend
+    assert top1 >= TOP1_MIN
+    del model
+    torch.cuda.empty_cache()
