@@ -2,10 +2,11 @@
 # The 2026-12-01 device calls (one H200). Expects the devkit bundle unpacked at /tmp/kit/site and, where the host's
 # Transformers is older than 5.24, the wheel installed under /tmp/site (see README "Tests and benchmarks"). Logs and
 # JSON under $OUT.
-#   bash scripts/dev/gpu_session.sh tests   # the whole tests/gpu, then host time per layer: this package against the
-#                                           # revision unpacked in ab_old/ (git archive REV hf_flashinfer_mla scripts)
-#   bash scripts/dev/gpu_session.sh bench   # the V3-shape grid (eager mode), the CUDA-graph target cell, and
-#                                           # DeepSeek-V2-Lite static-cache generate() at batch 1 and 8
+#   bash scripts/dev/gpu_session.sh tests   # the whole tests/gpu
+#   bash scripts/dev/gpu_session.sh bench   # host time per layer, this package against the revision unpacked in
+#                                           # ab_old/ (git archive REV hf_flashinfer_mla scripts); the V3-shape grid
+#                                           # (eager mode); the CUDA-graph target cell; DeepSeek-V2-Lite static-cache
+#                                           # generate() at batch 1 and 8
 set -uo pipefail
 O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$PWD
@@ -17,22 +18,21 @@ cat "$O/date_$1.txt"
 run() { local limit=$1 log=$2; shift 2; echo "## $*" >> "$O/$log"; timeout "$limit" "$@" >> "$O/$log" 2>&1 || echo "exit $?" >> "$O/$log"; }
 case "$1" in
   tests)
-    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu -s 2>&1 | tee "$O/gpu_tests.txt" \
-      | grep -E "rel|compiles|passed|failed|Error|error" | tail -60
-    for v in old new old new; do
+    timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu -s 2>&1 | tee "$O/gpu_tests.txt" \
+      | grep -E "rel|compiles|passed|failed|Error|error" | tail -70 ;;
+  bench)
+    for v in old new; do
       if [ $v = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
       PYTHONPATH=$pp run 50 host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
         --attn flashinfer_mla --steps 10 --out "$O" --name host_${v}.json
       echo "== $v" >> "$O/host_ab.txt"
     done
-    cd "$ROOT"; grep -E "^==|^##|flashinfer_mla|exit" "$O/host_ab.txt" | grep -v "^  " | tail -20 ;;
-  bench)
-    cd scripts
-    run 200 grid.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 8 32 128 --context 1024 4096 16384 32768 \
-        --steps 6 --warmup 2 --time-limit 170 --out "$O" --name decode_eager.json
-    run 110 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
+    cd "$ROOT/scripts"
+    run 170 grid.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 8 32 128 --context 1024 4096 16384 32768 \
+        --steps 6 --warmup 2 --time-limit 140 --out "$O" --name decode_eager.json
+    run 100 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
         --steps 10 --time-limit 80 --out "$O" --name decode_graphs_target.json
-    run 230 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
+    run 190 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
         --attn sdpa flashinfer_mla --repeats 2 --out "$O" --name generate_v2lite_static.json
-    for f in grid graphs generate; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -30; done ;;
+    for f in host_ab grid graphs generate; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -30; done ;;
 esac
