@@ -497,11 +497,11 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch)
     planned = []
     real_load = StepPlan.load_graph_slots
 
-    def strict_load(step):
+    def strict_load(step, replaying=False):
         planned.append(len(graphs.slots_for(step.batch_size, step.q_len, step.kv_len)))
         torch.cuda.set_sync_debug_mode("error")
         try:
-            real_load(step)
+            real_load(step, replaying)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
