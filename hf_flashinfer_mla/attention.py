@@ -9,9 +9,15 @@ Because the model's ``expand_kv`` is hooked (``models.py``), ``key`` and ``value
   (``kernels/``) -> the output projection.
 * Prefill, training, and longer chunks: the latent is expanded once through the model's own ``expand_kv`` and
   attended with Transformers' SDPA, exactly like ``attn_implementation="sdpa"``.
+
+Sparse (DSA) layers get ``indices [B, Sq, topk]``, the positions their indexer selected, which DSA models pass to
+every implementation but eager and sdpa instead of folding them into the mask. Decode attends over those rows of
+the latent only; prefill folds them into its mask itself (`masks.selection_mask`), as the model does for sdpa.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 from torch import nn
@@ -24,7 +30,7 @@ from .capabilities import load_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
 from .kernels.graphs import mask_planned_outside_graph
 from .kernels import reference
-from .masks import MAX_DECODE_QUERY
+from .masks import MAX_DECODE_QUERY, selection_mask
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .plan import PLAN_ATTR, as_bool_mask, layer_of, step_plan
 
@@ -40,13 +46,17 @@ def flashinfer_mla_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     mla_backend: str | None = None,
+    indices: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """MLA attention over the latent cache. Returns ``(attn_output [B, Sq, H, v_head_dim], None)``."""
+    """MLA attention over the latent cache. Returns ``(attn_output [B, Sq, H, v_head_dim], None)``. `indices`: a
+    sparse (DSA) layer's selection ``[B, Sq, topk]`` (None: dense, every position the mask shows); `s_aux`: one
+    attention-sink logit per head (HY-V4), which shares each query's softmax mass without holding a value."""
     if not is_mla_attention(module):
         raise UnsupportedModelError(
-            f'attn_implementation="{ATTN_NAME}" was called from {type(module).__name__}, which is not a dense MLA '
-            "attention module (no kv_b_proj/expand_kv, or a sparse DSA indexer). Use sdpa or eager for this module."
+            f'attn_implementation="{ATTN_NAME}" was called from {type(module).__name__}, which is not an MLA '
+            "attention module (no kv_b_proj/expand_kv). Use sdpa or eager for this module."
         )
     if kwargs.pop("output_attentions", False):
         logger.warning_once(
@@ -62,6 +72,10 @@ def flashinfer_mla_attention_forward(
     if weights is None:  # prefill, training with dropout, or a kv_b_proj that cannot be absorbed
         kv_latent, k_rot = dequantize_latent(kv_latent, k_rot, query.dtype)
         key_states, value_states = original_expand_kv(module)(kv_latent, k_rot)
+        if indices is not None:
+            attention_mask = selection_mask(attention_mask, indices, key_states.shape[2])
+        if s_aux is not None:
+            return _attention_with_sinks(module, query, key_states, value_states, attention_mask, dropout, scaling)
         return sdpa_attention_forward(
             module, query, key_states, value_states, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -80,8 +94,10 @@ def flashinfer_mla_attention_forward(
     q_nope, q_pe = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     q_lat, q_pe = absorb_query(q_nope, weights), rope_rows(q_pe)  # [H, B*Sq, L], [B*Sq, H, R]
     grad = torch.is_grad_enabled() and (q_lat.requires_grad or kv_latent.requires_grad or k_rot.requires_grad)
+    topk = 0 if indices is None else indices.shape[-1]
     if torch.compiler.is_compiling():
-        o_lat = _decode_compiled(module, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad)
+        o_lat = _decode_compiled(module, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad,
+                                 indices, s_aux)
     else:
         plan = getattr(attention_mask, PLAN_ATTR, None)
         if plan is None:  # a 4D mask of the user's own, or accelerate's copy of the step's mask for another device
@@ -91,30 +107,47 @@ def flashinfer_mla_attention_forward(
         # The layer's shape: the key of its route in the step's plan (only the step's first layer of a shape
         # builds one; the others look it up).
         key = (q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[0], kv_latent.shape[-1], k_rot.shape[-1],
-               kv_latent.stride(0), kv_latent.stride(2), kv_latent.shape[0], scale, mla_backend, grad)
+               kv_latent.stride(0), kv_latent.stride(2), kv_latent.shape[0], scale, mla_backend, grad, topk,
+               s_aux is not None)
         route = plan.routes.get(key)
         if route is None:
             _check_pitch(kv_latent, k_rot)
-            route = plan.route(key, layer_of(q_lat, kv_latent, k_rot, scale),
+            route = plan.route(key, layer_of(q_lat, kv_latent, k_rot, scale, topk, s_aux is not None),
                                requested_backend(mla_backend, module.config), grad)
-        o_lat = route.run(q_lat, q_pe, kv_latent, k_rot)
+        o_lat = route.run(q_lat, q_pe, kv_latent, k_rot, indices, s_aux)
     return project_output(o_lat, weights, query.shape[0]), None
 
 
-def _decode_compiled(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad):
+def _decode_compiled(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad, indices, sinks):
     """A decode step being traced by torch.compile. generate()'s static-cache graphs receive their mask from outside
-    and run the custom op, which routes each compiled shape on its step's plan; a graph that builds its own mask, or
-    one autograd must differentiate, runs the reference backend inline."""
+    and run the custom op, which routes each compiled shape on its step's plan; a graph that builds its own mask, one
+    autograd must differentiate, or a sparse or sink layer's, runs the reference backend inline."""
     if kv_latent.dtype == FP8:
         raise CacheLayoutError(
             "the FP8 latent cache (MLALatentCache(dtype=torch.float8_e4m3fn)) does not run inside torch.compile "
             "or CUDA graphs yet; generate without compiling, or use the bf16 cache (cache_implementation="
             '"static") for CUDA graphs.'
         )
-    if grad or not mask_planned_outside_graph():
-        return reference.attend(as_bool_mask(mask), scale, q_lat, q_pe, kv_latent, k_rot)
+    if indices is not None:
+        return reference.attend_sparse(as_bool_mask(mask), indices, scale, q_lat, q_pe, kv_latent, k_rot, sinks)
+    if grad or sinks is not None or not mask_planned_outside_graph():
+        return reference.attend(as_bool_mask(mask), scale, q_lat, q_pe, kv_latent, k_rot, sinks)
     requested = mla_backend or load_backend(module.config) or ""
     return torch.ops.hf_flashinfer_mla.decode_in_graph(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested)
+
+
+def _attention_with_sinks(module, query, key_states, value_states, attention_mask, dropout, scaling):
+    """Prefill of a layer with attention sinks: SDPA has no sinks, so this runs the model's own eager attention
+    (HY-V4's ``eager_attention_forward``, which reads ``module.sinks``), with the mask made additive as it expects."""
+    eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedModelError(f"{type(module).__name__} passes attention sinks (s_aux) but its modeling module "
+                                    "has no eager_attention_forward to prefill them with; use attn_implementation="
+                                    '"eager"')
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key_states, value_states, attention_mask, scaling=scaling, dropout=dropout)
 
 
 def _check_pitch(kv_latent: torch.Tensor, k_rot: torch.Tensor) -> None:

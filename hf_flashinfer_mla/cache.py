@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, StaticLayer
 
 from . import capabilities
 from .errors import CacheLayoutError
@@ -215,6 +215,49 @@ class MLALatentLayer(DynamicLayer):
         self.is_initialized = False
 
 
+class MLAIndexedLayer(MLALatentLayer):
+    """`MLALatentLayer` of a sparse (DSA) layer: it also keeps the indexer's keys (``[B, S, index_head_dim]``), grown
+    in place beside the latent (Transformers' `DynamicIndexedLayer` concatenates both every step). The indexer
+    writes the keys of the tokens the layer's `update` has just added, so they take the same rows; layers that reuse
+    another layer's selection never call `update_indexer` and allocate nothing for it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._index_keys: torch.Tensor | None = None  # [B, 1, capacity, index_head_dim]
+        self.indexer_keys = self.indexer_position_ids = None
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        n = indexer_key_states.shape[1]
+        if n > self._length:
+            raise CacheLayoutError("update_indexer() wrote more tokens than the layer's update() cached")
+        if self._index_keys is None or self._index_keys.shape[2] != self.capacity:
+            self._index_keys = self._grown(self._index_keys, indexer_key_states)
+        self._index_keys[:, 0, self._length - n : self._length] = indexer_key_states
+        self.indexer_keys = self._index_keys[:, 0, : self._length]
+        return self.indexer_keys
+
+    def _grown(self, old, like):
+        new = like.new_zeros((self._buffers[0].shape[0], 1, self.capacity, like.shape[-1]))
+        if old is not None:
+            kept = min(old.shape[2], self._length)
+            new[:, :, :kept] = old[:, :, :kept]
+        return new
+
+    def _refresh_views(self) -> None:
+        super()._refresh_views()
+        if getattr(self, "_index_keys", None) is not None:
+            self.indexer_keys = self._index_keys[:, 0, : self._length]
+
+    def _map_buffer(self, fn) -> None:
+        if self._index_keys is not None:
+            self._index_keys = fn(self._index_keys)
+        super()._map_buffer(fn)
+
+    def reset(self) -> None:
+        super().reset()
+        self._index_keys = self.indexer_keys = None
+
+
 class MLAStaticLayer(StaticLayer):
     """A `StaticLayer` whose latent and rotary key share one packed ``[B, 1, capacity, L + R]`` buffer (the
     capacity rounded up to `ROUND_TOKENS`): the paged layout trtllm-gen reads, so that ``generate(...,
@@ -247,7 +290,8 @@ class MLAStaticLayer(StaticLayer):
 
 def adopt_latent_layers(cache: DynamicCache, packed: bool | None = None, dtype: torch.dtype | None = None,
                         scales=None) -> DynamicCache:
-    """Replace the plain full-attention layers of an *empty* `DynamicCache` by `MLALatentLayer` (in place).
+    """Replace the plain full-attention layers of an *empty* `DynamicCache` by `MLALatentLayer`, and its sparse (DSA)
+    layers by `MLAIndexedLayer` (in place).
 
     ``scales``: one `LatentScales` for every layer, or a sequence with one per layer index (FP8 only)."""
 
@@ -262,6 +306,8 @@ def adopt_latent_layers(cache: DynamicCache, packed: bool | None = None, dtype: 
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and not layer.is_initialized:
             cache.layers[i] = MLALatentLayer(packed, dtype, layer_scales(i))
+        elif type(layer) is DynamicIndexedLayer and not layer.is_initialized:
+            cache.layers[i] = MLAIndexedLayer(packed, dtype, layer_scales(i))
     return cache
 
 

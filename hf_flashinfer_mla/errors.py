@@ -6,7 +6,7 @@ class FlashInferMLAError(ValueError):
 
 
 class UnsupportedModelError(FlashInferMLAError):
-    """The model has no dense MLA attention (or uses sparse DSA attention)."""
+    """The model has no MLA attention this package can run."""
 
 
 class BackendUnavailableError(FlashInferMLAError):

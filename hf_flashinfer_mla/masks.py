@@ -15,7 +15,7 @@ import torch
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from .kernels.graphs import note_mask_built_in_graph
-from .plan import attach_plan
+from .plan import as_bool_mask, attach_plan
 from .rows import GrowingMask, Rows
 
 # Query tokens per sequence up to which a forward is treated as decode (absorbed attention). One token is plain
@@ -86,3 +86,17 @@ def flashinfer_mla_mask(
         growing.last_plan = plan  # generate()'s next mask update plans the next step from it
     plan.load_graph_slots()  # CUDA-graph slots of this shape get this step's metadata before any replay
     return mask
+
+
+def selection_mask(attention_mask: torch.Tensor | None, indices: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """A sparse (DSA) layer's mask for a prefill chunk: the step's mask (None: causal) restricted to the positions its
+    indexer selected, ``indices [B, Sq, topk]``, as DSA models build it for eager and sdpa. A negative index selects
+    nothing (indexers that pad their selection use -1)."""
+    batch, q_len, _ = indices.shape
+    idx = indices.long()
+    picked = torch.zeros(batch, q_len, kv_length + 1, dtype=torch.bool, device=indices.device)
+    picked = picked.scatter_(-1, torch.where(idx >= 0, idx, kv_length), True)[..., :kv_length].unsqueeze(1)
+    if attention_mask is None:
+        positions = torch.arange(kv_length, device=indices.device)
+        return picked & (positions <= positions[kv_length - q_len:, None])
+    return as_bool_mask(attention_mask) & picked

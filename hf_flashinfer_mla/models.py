@@ -1,6 +1,6 @@
 """Which Transformers models can run ``flashinfer_mla``, and the one hook this package puts into them.
 
-Every dense MLA attention class in Transformers (>= 5.15) caches the compressed latent and only afterwards calls
+Every MLA attention class in Transformers (>= 5.15), dense or sparse (DSA), caches the compressed latent and only afterwards calls
 ``self.expand_kv(kv_nope, k_rot)``, which pushes the *whole* cached history through ``kv_b_proj`` on every step.
 When a model runs ``flashinfer_mla`` that call is made to hand back the latent unchanged; the attention function
 (``attention.py``) then decides per step whether to expand it once (prefill) or to attend over it directly
@@ -34,35 +34,32 @@ DENSE_MLA_MODEL_TYPES = (
     "bailing_hybrid",
 )
 
-# MLA with DeepSeek Sparse Attention (DSA): the attention sees a per-query top-k subset of the cache, chosen by an
-# indexer after `expand_kv`. That is a different kernel problem (FlashMLA sparse); refused rather than run densely.
-# Multimodal ones are listed with their text model types too, so that loading the text model alone is refused for
-# the true reason.
+# MLA with DeepSeek Sparse Attention (DSA): an indexer picks `index_topk` cached positions per query token after
+# `expand_kv`, and the attention interface receives them as `indices=` (eager and sdpa get them folded into the mask
+# instead). The attention function decodes over the selected latent rows and folds them into the prefill mask
+# itself. Listed by the type of the model whose attention they are (a multimodal model's text model type).
 SPARSE_MLA_MODEL_TYPES = (
     "deepseek_v32",
     "glm_moe_dsa",
-    "glm5_next",
     "glm5_next_text",
     "hy_v4",
-    "hy_v4_vl",
     "hy_v4_vl_text",
     "axk2",
-    "mistral_large4",
     "mistral_large4_text",
-    "dots3_note",
     "dots3_note_text",
 )
+SUPPORTED_MODEL_TYPES = DENSE_MLA_MODEL_TYPES + SPARSE_MLA_MODEL_TYPES
 
 
 def _supported_list() -> str:
-    return ", ".join(DENSE_MLA_MODEL_TYPES)
+    return ", ".join(SUPPORTED_MODEL_TYPES)
 
 
 def check_model_supported(config):
     """The config the model's MLA attention is built from, or `UnsupportedModelError` saying why there is none.
 
     That is `config` itself for a causal LM, and the decoder text config (``config.get_text_config(decoder=True)``)
-    for a multimodal model whose text model is a dense MLA model (Kimi-K2.5: ``kimi_k25`` around ``deepseek_v3``).
+    for a multimodal model whose text model is an MLA model (Kimi-K2.5: ``kimi_k25`` around ``deepseek_v3``).
     Called at load time (``from_pretrained``/``from_config``/``set_attn_implementation``), so an unsupported model
     fails before any weight is read rather than giving a wrong answer later.
     """
@@ -70,13 +67,7 @@ def check_model_supported(config):
     model_type = getattr(config, "model_type", None)
     text_type = text.get("model_type") if isinstance(text, dict) else getattr(text, "model_type", None)
     what = f'model_type "{model_type}"' if text is config else f'model_type "{model_type}" (text model "{text_type}")'
-    if model_type in SPARSE_MLA_MODEL_TYPES or text_type in SPARSE_MLA_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f'attn_implementation="{ATTN_NAME}" does not support {what}: it uses DeepSeek Sparse Attention (DSA), '
-            f"which attends to an indexer-selected subset of the cache. Load it with "
-            f'attn_implementation="sdpa" or "eager". Supported (dense MLA) model types: {_supported_list()}.'
-        )
-    if text_type not in DENSE_MLA_MODEL_TYPES:
+    if text_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f'attn_implementation="{ATTN_NAME}" needs a Multi-head Latent Attention model; {what} is not one. '
             f'Load it with attn_implementation="sdpa" (or "eager"). Supported model types: {_supported_list()}.'
@@ -91,8 +82,8 @@ def check_model_supported(config):
 
 
 def is_mla_attention(module: nn.Module) -> bool:
-    """True for an MLA attention module of a supported model (it owns `kv_b_proj` and `expand_kv`)."""
-    return hasattr(module, "kv_b_proj") and hasattr(module, "expand_kv") and not hasattr(module, "indexer")
+    """True for an MLA attention module of a supported model (it owns `kv_b_proj` and `expand_kv`), dense or sparse."""
+    return hasattr(module, "kv_b_proj") and hasattr(module, "expand_kv")
 
 
 def original_expand_kv(module: nn.Module):

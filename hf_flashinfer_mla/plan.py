@@ -60,14 +60,16 @@ class Route:
     meta: Any
     dequantize: torch.dtype | None = None
 
-    def run(self, q_lat, q_pe, kv_latent, k_rot) -> torch.Tensor:
+    def run(self, q_lat, q_pe, kv_latent, k_rot, indices=None, sinks=None) -> torch.Tensor:
         scales = None
         if self.dequantize is not None:
             kv_latent, k_rot = dequantize_latent(kv_latent, k_rot, self.dequantize)
         elif kv_latent.dtype == FP8:
             found = latent_scales(kv_latent)
             scales = (found.latent, found.rope)
-        return FAMILIES[self.backend].run(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot, scales)
+        extra = {} if sinks is None else {"sinks": sinks}  # (only the reference takes sinks: kernels refuse them)
+        return FAMILIES[self.backend].run(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot, scales, indices,
+                                          **extra)
 
 
 class StepPlan:
@@ -284,14 +286,15 @@ def step_plan(mask: torch.Tensor, module) -> StepPlan:
     return plan
 
 
-def decode_latent(plan: StepPlan, requested: str, q_lat, q_pe, kv_latent, k_rot, scale: float) -> torch.Tensor:
+def decode_latent(plan: StepPlan, requested: str, q_lat, q_pe, kv_latent, k_rot, scale: float,
+                  indices: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's decode on the step `plan`, routed as the attention function routes it (for benchmarks and
     tests that drive a kernel without a model): ``[B, H, Sq, L]`` latent query and ``[B, H, Sq, R]`` rotary query
-    -> ``[B, H, Sq, L]`` latent output."""
+    -> ``[B, H, Sq, L]`` latent output; `indices` ``[B, Sq, topk]``: a sparse layer's selection."""
     b, h, sq, rank = q_lat.shape
     q_lat, q_pe = q_lat.transpose(0, 1).reshape(h, b * sq, rank), q_pe.transpose(1, 2).reshape(b * sq, h, -1)
-    layer = layer_of(q_lat, kv_latent, k_rot, scale)
-    out = plan.route((layer, requested), layer, requested, False).run(q_lat, q_pe, kv_latent, k_rot)
+    layer = layer_of(q_lat, kv_latent, k_rot, scale, 0 if indices is None else indices.shape[-1])
+    out = plan.route((layer, requested), layer, requested, False).run(q_lat, q_pe, kv_latent, k_rot, indices)
     return out.view(h, b, sq, rank).transpose(0, 1)
 
 
@@ -326,7 +329,7 @@ def _(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested):
 _captured: dict[tuple, GraphSlotRoute] = {}
 
 
-def layer_of(q_lat, kv_latent, k_rot, scale: float) -> Layer:
+def layer_of(q_lat, kv_latent, k_rot, scale: float, topk: int = 0, sinks: bool = False) -> Layer:
     """The `Layer` spec of one call (its cache's pitch and packing read from the views' strides)."""
     return Layer(q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[0], kv_latent.shape[-1], k_rot.shape[-1],
-                 cache_pitch(kv_latent), trtllm.packed_pages(kv_latent, k_rot) is not None, scale)
+                 cache_pitch(kv_latent), trtllm.packed_pages(kv_latent, k_rot) is not None, scale, topk, sinks)

@@ -55,8 +55,8 @@ def _text_config_key(config, text_config) -> str:
 def _adopt(model: PreTrainedModel, is_init_check: bool, original) -> str:
     """The attention implementation `model` gets when ``"flashinfer_mla"`` is asked for, or an error saying why not.
 
-    A causal LM over dense MLA gets it (with its ``expand_kv`` hooked). A multimodal model whose text model is dense
-    MLA gets it on the text model only: at load time the name, which Transformers has spread over every sub-config,
+    A causal LM over MLA (dense or sparse) gets it (with its ``expand_kv`` hooked). A multimodal model whose text
+    model is MLA gets it on the text model only: at load time the name, which Transformers has spread over every sub-config,
     is kept on the text config and taken off the others (vision towers and the like get Transformers' default, as
     does the wrapper model itself); the text model's own check then hooks it. After loading, Transformers would hand
     the name to every sub-model unchecked, so there the text model must be named explicitly.

@@ -99,6 +99,15 @@ class Rows:
         return steps + torch.repeat_interleave(offsets, lens, output_size=total)
 
 
+    def token_rows(self, topk: int) -> Rows:
+        """The rows of a sparse (DSA) step, one per query token (``n = b * q_len + s``): each attends to at most
+        `topk` of the positions it sees, which for token ``s`` are the last token's minus the ``q_len - 1 - s``
+        later query tokens. The indexer ranks positions its mask hides last, so these are a row's first
+        ``lens[n]`` indices."""
+        visible = self.lens[:, None] - torch.arange(self.q_len - 1, -1, -1, dtype=torch.int32)
+        return Rows(visible.clamp(0, topk).reshape(-1).to(torch.int32), 1, None)
+
+
 def check_int32(rows: int, batch: int, pitch: int) -> None:
     if rows >= 2**31:
         raise ValueError(f"a cache of {batch} x {pitch} rows exceeds the kernels' int32 page indices")

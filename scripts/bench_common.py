@@ -22,8 +22,8 @@ import traceback
 
 import torch
 
-REAL_MODELS = ("deepseek-v2-lite", "deepseek-v3-attn", "glm-4.7-flash")
-MODEL_NAMES = (*REAL_MODELS, "tiny")
+REAL_MODELS = ("deepseek-v2-lite", "deepseek-v3-attn", "deepseek-v32-attn", "glm-4.7-flash")
+MODEL_NAMES = (*REAL_MODELS, "tiny", "tiny-dsa")
 ATTNS = ("eager", "sdpa", "flashinfer_mla")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MIB = 1024 * 1024
@@ -47,8 +47,11 @@ def build_config(name: str, layers: int | None = None):
     deepseek-v2-lite  DeepSeek-V2-Lite: 27 layers, hidden 2048, 16 heads, kv_lora 512, no q_lora, MoE 64x6 (+2)
     deepseek-v3-attn  DeepSeek-V3's attention (hidden 7168, 128 heads, q_lora 1536, kv_lora 512) in dense layers
                       (default 4): no MoE, so the weights fit next to a large cache
+    deepseek-v32-attn DeepSeek-V3.2's attention with its indexer (the V3 attention above; 64 indexer heads of 128,
+                      index_topk 2048) in dense layers (default 4)
     glm-4.7-flash     Glm4MoeLiteConfig's defaults (GLM-4.7-Flash: 47 layers, 20 heads, qk_nope 192, v_head 256)
     tiny              two small DeepSeek-V3-like layers, for CPU smoke tests
+    tiny-dsa          two small DeepSeek-V3.2-like layers (index_topk 16), for CPU smoke tests
     """
     import transformers
 
@@ -69,8 +72,24 @@ def build_config(name: str, layers: int | None = None):
             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
             max_position_embeddings=163840, rope_parameters=dict(V3_ROPE), eos_token_id=None,
         )
+    if name == "deepseek-v32-attn":
+        n = layers or 4
+        return transformers.DeepseekV32Config(
+            vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=n,
+            first_k_dense_replace=n, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
+            index_head_dim=128, index_topk=2048, max_position_embeddings=163840, rope_parameters=dict(V3_ROPE),
+            eos_token_id=None,
+        )
     if name == "glm-4.7-flash":
         return transformers.Glm4MoeLiteConfig(**({"num_hidden_layers": layers} if layers else {}), eos_token_id=None)
+    if name == "tiny-dsa":
+        return transformers.DeepseekV32Config(
+            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers or 2,
+            first_k_dense_replace=layers or 2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
+            kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_n_heads=8,
+            index_head_dim=32, index_topk=16, max_position_embeddings=4096, eos_token_id=None,
+        )
     if name == "tiny":
         return transformers.DeepseekV3Config(
             vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
@@ -124,6 +143,9 @@ def fill_cache(cache, config, batch: int, tokens: int, dtype: torch.dtype, devic
     for layer_idx in range(config.num_hidden_layers):
         cache.update(torch.randn(batch, 1, tokens, rank, dtype=dtype, device=device),
                      torch.randn(batch, 1, tokens, rope, dtype=dtype, device=device), layer_idx)
+        if hasattr(cache.layers[layer_idx], "update_indexer"):  # a sparse (DSA) layer: its indexer's keys too
+            cache.update_indexer(torch.randn(batch, tokens, config.index_head_dim, dtype=dtype, device=device),
+                                 layer_idx)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -137,7 +159,12 @@ def weight_bytes_per_step(model) -> int:
 
 
 def latent_bytes(config, batch: int, context: int, elem: int = 2) -> int:
-    """Bytes of cached latent all layers read in one decode step."""
+    """Bytes of cache all layers read in one decode step: the latent, and for a sparse (DSA) model only its
+    `index_topk` selected rows of it, plus the indexer's keys of the whole context."""
+    topk = getattr(config, "index_topk", None)
+    if topk:
+        per_token = min(context, topk) * (config.kv_lora_rank + config.qk_rope_head_dim) + context * config.index_head_dim
+        return config.num_hidden_layers * batch * per_token * elem
     return config.num_hidden_layers * batch * context * (config.kv_lora_rank + config.qk_rope_head_dim) * elem
 
 

@@ -20,6 +20,11 @@ context, or after the time limit.
     python scripts/bench_decode.py --model deepseek-v3-attn --batch 32 --context 4096 --out out
     python scripts/bench_decode.py --graphs --batch 32 1 8 128 --context 4096 1024 --time-limit 200 --out out
     python scripts/bench_decode.py --model tiny --device cpu --dtype float32 --batch 2 --context 64 --steps 2
+    python scripts/bench_decode.py --model deepseek-v32-attn --batch 1 8 32 --context 8192 32768 65536 131072
+
+A sparse (DSA) model's cells are the same, with the indexer's keys filled too; its floor counts the `index_topk`
+selected latent rows and the indexer's keys of the whole context (which Transformers' indexer scores every step).
+The table ends with the longest context each implementation ran at each batch.
 
 CUDA graphs are compiled as ``generate()`` compiles them: inductor, ``mode="reduce-overhead"`` (about a minute per
 cell). Not torch's ``backend="cudagraphs"``: it treats only lifted parameters as static, and with nn modules inlined
@@ -114,9 +119,17 @@ def print_summary(rows: list[dict], attns: list[str]) -> None:
         line += [bc.fmt(fi.get("host_ms_median") if ok else None), bc.fmt(peak / bc.MIB if peak else None, ".1f"),
                  bc.fmt(row["speedup"]), bc.fmt(row["floor_ms"], ".3f"), bc.fmt(fi.get("x_floor") if ok else None)]
         table.append(line)
+    longest: dict[tuple, int] = {}
+    for row in rows:
+        for a, rec in row["by_attn"].items():
+            if rec["status"] == "ok":
+                key = (row["model"], row["batch"], a)
+                longest[key] = max(longest.get(key, 0), row["context"])
+    fits = "; ".join(f"{m} B={b} {a}: {c}" for (m, b, a), c in sorted(longest.items()))
     bc.print_table(header, table, [
         "speedup = min(eager, sdpa) / flashinfer_mla (inf: the baselines ran out of memory); fi host ms = time until "
         "the host had enqueued the step; floor = (weights + latent bytes) / copy bandwidth",
+        f"longest context that ran: {fits}",
     ])
 
 

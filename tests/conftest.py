@@ -113,16 +113,42 @@ HYBRIDS = ("kimi_linear", "bailing_hybrid")  # MLA layers interleaved with KDA l
 def make_config(model_type: str, **overrides):
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no model_type {model_type!r}")
-    return CONFIG_MAPPING[model_type](**{**FAMILIES[model_type][1], **overrides})
+    return CONFIG_MAPPING[model_type](**{**_registry(model_type)[1], **overrides})
+
+
+def _registry(model_type: str):
+    return FAMILIES[model_type] if model_type in FAMILIES else DSA_FAMILIES[model_type]
 
 
 def make_model(model_type: str, attn: str = "flashinfer_mla", dtype=torch.float64, seed: int = 0, **overrides):
     config = make_config(model_type, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[model_type][0])._from_config(
+    model = getattr(transformers, _registry(model_type)[0])._from_config(
         config, attn_implementation=attn, experts_implementation="eager", dtype=dtype
     )
+    if model_type in DSA_FAMILIES:
+        _perturb_identity_parameters(model, seed)
     return model.eval()
+
+
+# Parameters some DSA families initialise to an identity (learned query scaling, LeRoPE's frequency scale, GLM-5's
+# pool compression) or to one value for every head (sinks): shifted, so that the tests exercise them.
+_IDENTITY_AT_INIT = ("softmax_scaling.", "rotary_emb.alpha", "index_kpool_compress", "sinks")
+
+
+def _perturb_identity_parameters(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(key in name for key in _IDENTITY_AT_INIT):
+                p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype))
+
+
+def set_attention(model, name: str) -> None:
+    """Switch `model`'s attention to `name`; for a multimodal model, its text model's (custom implementations
+    are set per sub-model, and a test compares the language model's attention only)."""
+    composite = model.config.get_text_config(decoder=True) is not model.config
+    model.set_attn_implementation({"text_config": name} if composite and name != "eager" else name)
 
 
 def mla_layers(model) -> list[torch.nn.Module]:
@@ -176,7 +202,7 @@ def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=
 
 def eager_alone(model, prompts, forced, chunks=None) -> list[torch.Tensor]:
     """The oracle for `decode_logits`: each prompt decoded on its own, unpadded, with eager attention."""
-    model.set_attn_implementation("eager")
+    set_attention(model, "eager")
     try:
         return [
             decode_logits(model, p[None], torch.ones(1, len(p), dtype=torch.long), forced=forced[i : i + 1],
@@ -184,7 +210,7 @@ def eager_alone(model, prompts, forced, chunks=None) -> list[torch.Tensor]:
             for i, p in enumerate(prompts)
         ]
     finally:
-        model.set_attn_implementation("flashinfer_mla")
+        set_attention(model, "flashinfer_mla")
 
 
 def generate_alone_with_eager(model, prompts, new_tokens: int):
@@ -247,3 +273,91 @@ def _fresh_log_once():
 @pytest.fixture(params=list(FAMILIES))
 def model_type(request):
     return request.param
+
+# Sparse-MLA (DSA) families: the same structure as FAMILIES (model_type -> (class, config kwargs)); reuses COMMON, _MLA
+# and _MOE. index_n_heads=8 (not 2): with 2 ReLU'd indexer heads many keys score exactly 0 and torch.topk breaks the
+# tie differently for a [S, T] prefill row, a [1, T] decode row and a static cache's longer row, so a cached decode
+# (or a static cache) disagrees with a full forward in Transformers' own eager; with 8 heads no boundary ties occur on
+# these prompts. index_topk=4 < the 7-15 token prompts, so selection changes the logits (by 0.16-0.31).
+# * deepseek_v32: every layer selects; YaRN with mscale_all_dim (changes the softmax scale); first MLP dense.
+# * glm_moe_dsa: layer 2 reuses layer 1's top-k (indexer_types; = index_topk_freq=2, index_skip_topk_offset=2).
+# * glm5_next (multimodal only, no causal LM): NoPE MLA (qk_rope_head_dim must be 0) in a KDA hybrid; layer 2 reuses
+#   layer 1's top-k (the sharing layer must directly follow the full one); k-pool indexer (index_topk % index_kpool == 0).
+# * mistral_large4 (multimodal only): no q_lora; layer 3 NoPE; layer 2 reuses layer 1's latent KV (kv_source_layers)
+#   and its top-k; learned LeRoPE alpha and per-head log-position query scaling (identity at init).
+# * hy_v4 / hy_v4_vl: sinks (s_aux), output gate, iHC streams; default indexer_types [F, F, S, S]; sdpa unsupported;
+#   initializer_range=0.02 (the default 0.006 leaves the selection almost without effect); hy_v4_vl: M-RoPE sections.
+# * axk2: fused q/gate projection from the q latent (no q_b_proj), output gate, gated RMSNorms.
+# * dots3_note_text: layers 0-1 DSA, 2-3 sliding-window MLA (no indexer) with their own widths (swa_*).
+_DSA = dict(index_topk=4, index_n_heads=8, index_head_dim=16)
+DSA_FAMILIES = {
+    "deepseek_v32": (
+        "DeepseekV32ForCausalLM",
+        dict(**COMMON, **_MLA, **_MOE, **_DSA, num_hidden_layers=2, q_lora_rank=24, first_k_dense_replace=1,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "mscale": 1.0, "mscale_all_dim": 1.0}),
+    ),
+    "glm_moe_dsa": (
+        "GlmMoeDsaForCausalLM",
+        dict(**COMMON, **_MLA, **_MOE, **_DSA, num_hidden_layers=4, q_lora_rank=24, first_k_dense_replace=1,
+             indexer_types=["full", "full", "shared", "full"]),
+    ),
+    "glm5_next": (
+        "Glm5NextForConditionalGeneration",
+        dict(
+            text_config=dict(
+                **COMMON, **_MOE, **_DSA, num_hidden_layers=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=0,
+                qk_nope_head_dim=16, v_head_dim=16, index_kpool=2,
+                layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+                indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                linear_head_dim=16, linear_num_heads=4, hc_mult=2,
+            ),
+            vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64,
+                               projection_intermediate_size=32),
+        ),
+    ),
+    "mistral_large4": (
+        "MistralLarge4ForConditionalGeneration",
+        dict(
+            text_config=dict(
+                **COMMON, **_MLA, **_MOE, **_DSA, num_hidden_layers=4, first_k_dense_replace=1,
+                indexer_types=["full", "full", "shared", "full"], no_rope_layers=[1, 1, 1, 0],
+                kv_source_layers=[0, 1, 1, 3],
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "attention_factor": 1.0},
+            ),
+            vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, patch_size=14, image_size=56, hidden_act="silu"),
+        ),
+    ),
+    "hy_v4": (
+        "HYV4ForCausalLM",
+        dict(**COMMON, **_MLA, **_MOE, **_DSA, num_hidden_layers=4, q_lora_rank=24, learnable_sink_init=0.5,
+             initializer_range=0.02),
+    ),
+    "hy_v4_vl": (
+        "HYV4VLForConditionalGeneration",
+        dict(
+            text_config=dict(
+                **COMMON, **_MLA, **_MOE, **_DSA, num_hidden_layers=4, q_lora_rank=24, learnable_sink_init=0.5,
+                initializer_range=0.02,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+            ),
+            vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               out_hidden_size=64, patch_size=16, max_image_size=64),
+        ),
+    ),
+    "axk2": (
+        "AXK2ForCausalLM",
+        dict(**COMMON, **_MLA, **_MOE, **_DSA, num_hidden_layers=2, q_lora_rank=24, gated_norm_rank=8),
+    ),
+    "dots3_note_text": (
+        "Dots3NoteForCausalLM",
+        dict(**COMMON, **_MLA, **_MOE, **_DSA, num_hidden_layers=4, q_lora_rank=24, head_dim=24,
+             shared_experts_intermediate_size=32, sliding_window=4, swa_num_attention_heads=2,
+             swa_num_key_value_heads=2, swa_q_lora_rank=24, swa_kv_lora_rank=48, swa_head_dim=32,
+             swa_qk_nope_head_dim=24, swa_v_head_dim=16),
+    ),
+}

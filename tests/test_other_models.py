@@ -3,7 +3,7 @@
 Transformers 5.24 has one such model: Kimi-K2.5 (``kimi_k25``: a vision tower around a ``deepseek_v3`` text model,
 configured as ``{"model_type": "kimi_k25", "text_config": {...}, "vision_config": {...}}``). Kimi-VL is not part of
 Transformers (remote code only). The multimodal models with sparse (DSA) text models (GLM-5-next, HY-V4-VL,
-Mistral-Large-4, dots3-note) are refused for that reason, also when their text model is loaded alone.
+Mistral-Large-4, dots3-note) are supported through their text model too (tests/test_sparse.py runs them).
 """
 
 from __future__ import annotations
@@ -127,13 +127,12 @@ def test_multimodal_checkpoint_loads_with_flashinfer_mla(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["glm5_next", "hy_v4_vl", "mistral_large4", "dots3_note"])
-def test_multimodal_sparse_models_are_refused_as_sparse_also_their_text_model(model_type):
+def test_multimodal_sparse_models_resolve_to_their_sparse_text_model(model_type):
     config = transformers.AutoConfig.for_model(model_type)
     text = config.get_text_config(decoder=True)
-    assert text is not config
+    assert text is not config and text.model_type in hf_flashinfer_mla.SPARSE_MLA_MODEL_TYPES
     for cfg in (config, text):
-        with pytest.raises(UnsupportedModelError, match="Sparse Attention"):
-            hf_flashinfer_mla.models.check_model_supported(cfg)
+        assert hf_flashinfer_mla.models.check_model_supported(cfg) is text
 
 
 def test_multimodal_model_with_a_plain_dict_text_config_is_refused_with_the_reason():

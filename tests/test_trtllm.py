@@ -61,7 +61,7 @@ class FakeTrtllm:
 
     def __call__(self, *, query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
                  block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend,
-                 multi_ctas_kv_counter_buffer=None):
+                 multi_ctas_kv_counter_buffer=None, sparse_mla_top_k=0):
         assert query.dim() == 4, query.shape
         b, sq, h, width = query.shape
         for value in (qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, max_seq_len):
@@ -74,6 +74,9 @@ class FakeTrtllm:
         assert kv_cache.dtype == query.dtype and kv_cache.device == query.device
         assert workspace_buffer.dtype == torch.uint8 and workspace_buffer.is_contiguous()
         assert workspace_buffer.device == query.device
+        if sparse_mla_top_k:
+            return self._sparse(query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend,
+                                multi_ctas_kv_counter_buffer, sparse_mla_top_k, kv_lora_rank)
         assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == b
         assert seq_lens.dtype == torch.int32 and seq_lens.shape == (b,)
         assert block_tables.device == seq_lens.device == query.device
@@ -110,6 +113,32 @@ class FakeTrtllm:
             visible = torch.arange(n)[None, :] <= torch.arange(n - sq, n)[:, None]  # [Sq, n]
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[i] = torch.einsum("hqk,kd->qhd", probs, kv[:, :kv_lora_rank])
+        return out.to(query.dtype)
+
+
+    def _sparse(self, query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend, counter,
+                topk, kv_lora_rank):
+        """Sparse MLA (``sparse_mla_top_k``, DeepSeek-V3.2 / GLM-5), as FlashInfer's sparse tests call it:
+        ``block_tables [B, Sq, topk]`` int32 flat cache slots (``page * page_size + offset``), each query token's
+        selection, padded with -1 after its valid slots; no causal rule (the selection is the token's own)."""
+        b, sq, h, width = query.shape
+        assert type(topk) is int and block_tables.shape == (b, sq, topk) and block_tables.dtype == torch.int32
+        assert seq_lens.dtype == torch.int32 and seq_lens.shape == (b,) and max_seq_len >= int(seq_lens.max())
+        assert type(bmm1_scale) is float and bmm2_scale == 1.0 and backend == "auto" and counter is not None
+        _resolve_trtllm_gen_multi_ctas_kv_counter_buffer(counter, b * sq, h, self.sm_count, query.device)
+        slots = kv_cache.shape[0] * kv_cache.shape[1]
+        valid = block_tables >= 0
+        assert bool((valid.int().diff(dim=-1) <= 0).all()), "-1 only after a token's valid slots"
+        assert bool(valid[..., 0].all()) and bool((block_tables < slots).all())
+        flat = kv_cache.reshape(slots, width)
+        self.calls.append(dict(backend=backend, counter=counter, heads=h, batch=b, q_len=sq, sparse=topk,
+                               tables=block_tables.clone(), seq_lens=seq_lens.clone(), scale=bmm1_scale))
+        out = torch.empty(b, sq, h, kv_lora_rank, dtype=torch.float64)
+        for i in range(b):
+            for t in range(sq):
+                kv = flat[block_tables[i, t][valid[i, t]].long()].double()
+                probs = (torch.einsum("hd,kd->hk", query[i, t].double(), kv) * bmm1_scale).softmax(-1)
+                out[i, t] = probs @ kv[:, :kv_lora_rank]
         return out.to(query.dtype)
 
 

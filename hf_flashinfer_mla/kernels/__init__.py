@@ -7,6 +7,10 @@ call* that only runs (``run(metadata, layer, q_lat, q_pe, kv_latent, k_rot) -> o
 * ``trtllm``: FlashInfer's trtllm-gen and cute-dsl kernels (Blackwell).
 * ``graphs``: the one CUDA-graph mechanism every family uses: fixed-address metadata, rebuilt in place.
 
+Sparse layers (DeepSeek Sparse Attention: an indexer picks ``topk`` cached positions per query token) are the same
+layers with ``Layer.topk > 0``: their kernel call also takes the layer's ``indices [B, Sq, topk]`` (int32 positions
+in the sequence's cache, as Transformers' indexer returns them) and attends each query token over those rows only.
+
 Every kernel call takes the latent query head-major, ``q_lat [H, N, L]`` (row ``n = b * Sq + s``), the rotary query
 ``q_pe [N, H, R]`` (any strides, last dimension contiguous), the cache views ``[B, 1, S, L]`` / ``[B, 1, S, R]``,
 and returns ``o_lat [H, N, L]``: the layouts absorption produces and the projection reads, so nothing is copied
@@ -31,7 +35,8 @@ class Refused(Exception):
 @dataclass(frozen=True)
 class Layer:
     """What a kernel needs to know of one layer's call beyond the step's rows: operands' device, dtypes and dims,
-    the cache's row pitch (rows between two sequences) and whether it stores the latent packed, and the scale."""
+    the cache's row pitch (rows between two sequences) and whether it stores the latent packed, the scale, and for a
+    sparse (DSA) layer the width of its selection (0: dense, every visible row)."""
 
     device: torch.device
     dtype: torch.dtype  # the queries'
@@ -42,6 +47,8 @@ class Layer:
     pitch: int
     packed: bool
     scale: float
+    topk: int = 0
+    sinks: bool = False  # attention sinks (HY-V4's ``s_aux``): FlashInfer's MLA kernels take none, the reference does
 
 
 def cache_pitch(latent: torch.Tensor) -> int:

@@ -16,6 +16,12 @@ bound proves acceptable skip them, `work_items_bound`), then its native ``plan``
 writes the work list to a pinned scratch, copied to the GPU asynchronously) and ``run`` with the indices on the
 GPU. That surface is private, so any other release takes the public wrapper (logged once, at INFO), as does
 ``HF_FLASHINFER_MLA_FA_PLANNER=wrapper``.
+
+Sparse (DSA) layers use the same kernel with every query token as its own request (`sparse_metadata`): its pages
+are the rows the indexer picked, ``kv_indices[n * topk + j] = b * pitch + indices[b, s, j]``, and its length is
+``min(topk, positions it sees)``, known on the host, so the schedule is planned once per step and each layer only
+adds its indices to the sequences' offsets on the GPU. The public wrapper binds its indices at plan time (one plan
+per layer), so sparse steps take the generated module only.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 import transformers.utils.logging  # noqa: F401  (gives logging.Logger its info_once)
 
 from ..buffers import identity_rows, workspace_buffer
-from ..rows import Rows
+from ..rows import Rows, check_int32, to_device
 from . import Refused, cache_pitch
 
 logger = logging.getLogger("hf_flashinfer_mla")
@@ -301,6 +307,7 @@ class FaMetadata:
     staging: torch.Tensor | None = None  # a fixed slot's own pinned scratch for schedules planned ahead
     staging_read: object = None  # event: the GPU has copied the staging scratch's last schedule
     identity: bool = True  # a fixed slot's kv_indices hold the identity
+    sparse_base: torch.Tensor | None = None  # sparse layers: [B * Sq, 1] int32 offset of each query token's sequence
 
 
 @dataclass(eq=False)
@@ -317,6 +324,13 @@ def build(backend: str, step, layer, into: FaMetadata | None = None, staged: Sta
     """This step's metadata for `layer`, or `Refused`. With `into` (a CUDA-graph slot's fixed metadata) the schedule
     and indices are written into its buffers, stream-ordered, and the slot is returned."""
     causal = step.q_len > 1
+    if layer.sinks:
+        raise Refused("FlashInfer's MLA decode kernels take no attention sinks")
+    if layer.topk:
+        if into is not None or not uses_generated_module():
+            raise Refused("sparse decode runs on FlashInfer's generated MLA module only, uncompiled, on a release in "
+                          f"{', '.join(TESTED_FLASHINFER)}")
+        return sparse_metadata(backend, step.rows(), layer)
     if into is not None:
         return _rebuild_fixed(into, step, layer, staged)
     if uses_generated_module():
@@ -332,6 +346,20 @@ def build(backend: str, step, layer, into: FaMetadata | None = None, staged: Sta
     wrapper = BatchMLAPagedAttentionWrapper(workspace_buffer(layer.device), backend=backend)
     wrapper_plan(wrapper, rows, rows.kv_indices(layer.pitch, layer.device), causal, layer)
     return FaMetadata(backend, causal, None, wrapper=wrapper)
+
+
+def sparse_metadata(backend: str, rows: Rows, layer) -> FaMetadata:
+    """A sparse step's metadata: the schedule of its query tokens as requests of one token over ``min(topk,
+    visible)`` pages each (page offsets ``n * topk``, not compact: the kernels take any offsets, see `addressing`),
+    and each token's sequence offset on the device, to which every layer adds its own indices."""
+    engine = generated_fa(layer, backend)
+    tokens = rows.token_rows(layer.topk)
+    check_int32(rows.batch * layer.pitch, rows.batch, layer.pitch)
+    offsets = torch.arange(tokens.batch + 1, dtype=torch.int32) * layer.topk
+    workspace = engine.new_workspace()
+    plan_info = engine.plan(tokens, offsets, False, workspace)
+    base = (torch.arange(rows.batch, dtype=torch.int32) * layer.pitch).repeat_interleave(rows.q_len)
+    return FaMetadata(backend, False, engine, workspace, plan_info, sparse_base=to_device(base[:, None], layer.device))
 
 
 def fixed(backend: str, layer, batch: int, q_len: int) -> FaMetadata:
@@ -397,6 +425,8 @@ def ahead(meta: FaMetadata, rows: Rows, layer):
     if meta.engine is None or (rows.end or 0) > layer.pitch:
         return None
     try:
+        if layer.topk:
+            return sparse_metadata(meta.backend, rows, layer)
         if not meta.fixed:
             kv_indptr, kv_indices = addressing(rows, layer.pitch, layer.device)
             workspace = meta.engine.new_workspace()
@@ -413,14 +443,17 @@ def ahead(meta: FaMetadata, rows: Rows, layer):
     return Staged(rows, plan_info, tuple(plan_info), nbytes)
 
 
-def run(meta: FaMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None) -> torch.Tensor:
+def run(meta: FaMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None) -> torch.Tensor:
     """The kernel call (``kernels/__init__.py`` gives the operands' layouts). `kv_scales`: the (latent, rope)
-    dequantization scales of an FP8 cache, read in place."""
+    dequantization scales of an FP8 cache, read in place; `indices`: a sparse layer's selection."""
     ckv, kpe = cache_rows(kv_latent), cache_rows(k_rot)
     out = torch.empty_like(q_lat)
     q_nope, o = q_lat.transpose(0, 1), out.transpose(0, 1)  # [N, H, L] views: the kernels take their strides
+    kv_indices = meta.kv_indices
+    if layer.topk:
+        kv_indices = (indices.reshape(-1, layer.topk) + meta.sparse_base).view(-1)
     if meta.engine is not None:
-        meta.engine.run(meta.plan_info, meta.int_workspace, q_nope, q_pe, ckv, kpe, meta.kv_indices, o,
+        meta.engine.run(meta.plan_info, meta.int_workspace, q_nope, q_pe, ckv, kpe, kv_indices, o,
                         meta.causal, layer.scale, kv_scales or (1.0, 1.0))
     else:
         # (the public wrapper's contract checks are not read for strided operands: hand it contiguous ones)

@@ -4,6 +4,10 @@ Runs on any device and dtype and for any latent width (``kv_lora_rank``) or rope
 no FlashInfer kernel serves, and the oracle the kernels are tested against. It follows Transformers' ``eager``
 semantics exactly (masked scores filled with the dtype minimum, softmax in at least float32), so in float64 it
 matches ``eager`` to rounding. Its metadata is the step's boolean mask on the layer's device.
+
+A sparse layer (``layer.topk``) gathers the selected rows of each query token and attends over those of them that
+its mask shows (`attend_sparse`): exactly what ``eager`` computes with the indexer's selection folded into its mask,
+without reading the rows it did not select.
 """
 
 from __future__ import annotations
@@ -15,17 +19,32 @@ def build(backend: str, step, layer, into=None, staged=None) -> torch.Tensor:
     return step.mask_on(layer.device)
 
 
-def run(mask, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None) -> torch.Tensor:
-    return attend(mask, layer.scale, q_lat, q_pe, kv_latent, k_rot)
+def run(mask, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None, sinks=None) -> torch.Tensor:
+    if layer.topk:
+        return attend_sparse(mask, indices, layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)
+    return attend(mask, layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)
 
 
-def attend(mask, scale: float, q_lat, q_pe, kv_latent, k_rot) -> torch.Tensor:
+def attend(mask, scale: float, q_lat, q_pe, kv_latent, k_rot, sinks=None) -> torch.Tensor:
     """The kernel call on the operands as every kernel gets them (``kernels/__init__.py``)."""
     h, n, rank = q_lat.shape
     b, sq = mask.shape[0], mask.shape[2]
     out = mla_attention_reference(q_lat.view(h, b, sq, rank).transpose(0, 1), q_pe.view(b, sq, h, -1).transpose(1, 2),
-                                  kv_latent, k_rot, mask, scale)
+                                  kv_latent, k_rot, mask, scale, sinks)
     return out.transpose(0, 1).reshape(h, n, rank)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, head_dim: int, dtype) -> torch.Tensor:
+    """Softmax over the last dimension in at least float32; with `sinks` (one logit per head, at `head_dim` of
+    `scores`: attention sinks, as HY-V4 passes them in ``s_aux``) each row's weights also share their mass with a
+    sink that holds no value, as the model's eager attention computes it."""
+    compute = torch.promote_types(scores.dtype, torch.float32)
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=compute).to(dtype)
+    shape = [1] * scores.dim()
+    shape[head_dim] = -1
+    sink = sinks.to(compute).view(shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores.to(compute), sink], dim=-1), dim=-1)[..., :-1].to(dtype)
 
 
 def mla_attention_reference(
@@ -35,6 +54,7 @@ def mla_attention_reference(
     k_rot: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the latent cache.
 
@@ -45,6 +65,7 @@ def mla_attention_reference(
         k_rot: ``[B, 1, Skv, R]`` cached rotary key.
         mask: ``[B, 1, Sq, Skv]`` bool, True = attend.
         scale: softmax scale.
+        sinks: ``[H]`` attention-sink logits, or None.
 
     Returns:
         ``[B, H, Sq, L]`` latent attention output.
@@ -58,6 +79,27 @@ def mla_attention_reference(
     scores = scores + torch.bmm(q_pe.reshape(b, h * s, -1), kpe.transpose(1, 2))
     scores = scores.view(b, h, s, -1) * scale
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q_lat.dtype)
+    probs = softmax_with_sinks(scores, sinks, 1, q_lat.dtype)
     out = torch.bmm(probs.view(b, h * s, -1), ckv)
     return out.view(b, h, s, rank)
+
+
+def attend_sparse(mask, indices, scale: float, q_lat, q_pe, kv_latent, k_rot, sinks=None) -> torch.Tensor:
+    """Sparse decode on the kernel operands: query token ``(b, s)`` attends to the rows ``indices[b, s]`` of its
+    sequence that ``mask[b, 0, s]`` shows. A position the mask hides (an indexer's pick past a short row's valid
+    keys, or a negative placeholder) gets no weight, so the result does not depend on the indices' order."""
+    h, n, rank = q_lat.shape
+    b, sq, k = indices.shape
+    idx = indices.long()
+    valid = (idx >= 0) & mask[:, 0].gather(2, idx.clamp_min(0))  # [B, Sq, K]
+    flat = idx.clamp_min(0).view(b, sq * k, 1)
+
+    def rows(cache):  # [B, 1, S, D] -> the selected rows [B, Sq, K, D]
+        return cache[:, 0].gather(1, flat.expand(-1, -1, cache.shape[-1])).view(b, sq, k, -1)
+
+    ckv, kpe = rows(kv_latent), rows(k_rot)
+    scores = torch.einsum("hbsl,bskl->bshk", q_lat.view(h, b, sq, rank), ckv)
+    scores = (scores + torch.einsum("bshr,bskr->bshk", q_pe.view(b, sq, h, -1), kpe)) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], torch.finfo(scores.dtype).min)
+    probs = softmax_with_sinks(scores, sinks, 2, q_lat.dtype)
+    return torch.einsum("bshk,bskl->hbsl", probs, ckv).reshape(h, n, rank)

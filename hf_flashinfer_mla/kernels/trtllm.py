@@ -13,6 +13,11 @@ on the reference backend (``plan.py``), never on wrong indices. Inside CUDA grap
 lengths and the counter buffer are allocated before capture for the shape's worst case, and the kernel is given the
 cache's capacity as its maximum length, so a replay reads only buffers that never move.
 
+Sparse (DSA) layers take trtllm-gen's sparse MLA (``sparse_mla_top_k``): ``block_tables [B, Sq, topk]`` holds each
+query token's selected cache slots (``b * pitch + indices``: token ``j`` of sequence ``b`` sits at that flat slot of
+the packed pages), ``-1`` past the ``min(topk, visible)`` positions it may attend to, as FlashInfer's sparse tests
+build them; the per-step part (offsets and that validity) is built once, each layer adds its indices.
+
 This path follows FlashInfer's documented contract but has not run on Blackwell hardware: no such GPU was
 available to the project; a CPU stand-in checks the calls (``tests/test_trtllm.py``).
 """
@@ -77,6 +82,7 @@ class TrtllmMetadata:
     max_seq_len: int
     counter: torch.Tensor | None  # trtllm-gen only
     fixed: bool = False
+    sparse: tuple | None = None  # sparse layers: (slot offset [B, Sq, 1], selectable [B, Sq, topk]) on the device
 
 
 def _host_tables(rows, layer, pages_per_row: int):
@@ -95,7 +101,11 @@ def _host_tables(rows, layer, pages_per_row: int):
 def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=None) -> TrtllmMetadata:
     """Block tables and lengths of this step (`Refused` where the layout cannot be served); with `into` (a
     CUDA-graph slot's fixed metadata) they are copied into its buffers, stream-ordered."""
+    if layer.sinks:
+        raise Refused("FlashInfer's MLA decode kernels take no attention sinks")
     rows = step.rows()
+    if layer.topk:
+        return _sparse(backend, rows, layer, into)
     if into is not None:
         tables, lens = _host_tables(rows, layer, into.block_tables.shape[1])
         into.block_tables.copy_(to_device(tables, layer.device), non_blocking=True)
@@ -105,6 +115,23 @@ def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=
     tables, lens = _host_tables(rows, layer, max(1, -(-max_len // PAGE_SIZE)))
     counter = counter_buffer(rows.batch * rows.q_len, layer.heads, layer.device) if backend == "trtllm-gen" else None
     return TrtllmMetadata(backend, to_device(tables, layer.device), to_device(lens, layer.device), max_len, counter)
+
+
+def _sparse(backend: str, rows, layer, into) -> TrtllmMetadata:
+    """A sparse step: each query token's slot offset and which of its `topk` picks it may attend to (the first
+    ``min(topk, visible)``: Transformers' indexers rank hidden positions last), on the host, copied once."""
+    if into is not None or backend != "trtllm-gen":
+        raise Refused(f"sparse decode runs on trtllm-gen only and uncompiled (this step: {backend}"
+                      f"{', in a CUDA graph' if into is not None else ''})")
+    if not layer.packed:
+        raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
+    counts = rows.token_rows(layer.topk).lens.view(rows.batch, rows.q_len, 1)
+    selectable = torch.arange(layer.topk, dtype=torch.int32) < counts
+    offsets = (torch.arange(rows.batch, dtype=torch.int32) * layer.pitch).view(-1, 1, 1).expand(-1, rows.q_len, 1)
+    ends = rows.lens + (rows.first.to(torch.int32) if rows.first is not None else 0)
+    counter = counter_buffer(rows.batch * rows.q_len, layer.heads, layer.device)
+    return TrtllmMetadata(backend, None, to_device(ends.to(torch.int32), layer.device), int(ends.max()), counter,
+                          sparse=(to_device(offsets.contiguous(), layer.device), to_device(selectable, layer.device)))
 
 
 def fixed(backend: str, layer, batch: int, q_len: int) -> TrtllmMetadata:
@@ -122,7 +149,7 @@ def refusal_for_every_step(layer, batch: int, q_len: int) -> str | None:
     return None  # trtllm-gen's refusals are layout refusals, raised by `fixed` and `build`
 
 
-def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None) -> torch.Tensor:
+def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None) -> torch.Tensor:
     """The kernel call on trtllm-gen (or cute-dsl); ``kernels/__init__.py`` gives the operands' layouts."""
     from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla  # heavy import
 
@@ -134,6 +161,11 @@ def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=No
     else:
         # "auto" lets FlashInfer tune between its runners; the counter is what the trtllm-gen runner counts in.
         kernel = {"backend": "auto", "multi_ctas_kv_counter_buffer": meta.counter}
+    tables = meta.block_tables
+    if layer.topk:
+        offsets, selectable = meta.sparse
+        tables = torch.where(selectable, indices + offsets, -1).to(torch.int32)  # [B, Sq, topk] slots
+        kernel["sparse_mla_top_k"] = layer.topk
     out = trtllm_batch_decode_with_kv_cache_mla(
         query=query,
         kv_cache=packed_pages(kv_latent, k_rot),
@@ -141,7 +173,7 @@ def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=No
         qk_nope_head_dim=layer.rank,  # unused by the dense path; the absorbed query is kv_lora_rank wide
         kv_lora_rank=layer.rank,
         qk_rope_head_dim=layer.rope,
-        block_tables=meta.block_tables,
+        block_tables=tables,
         seq_lens=meta.seq_lens,
         max_seq_len=meta.max_seq_len,
         bmm1_scale=layer.scale,  # a Python float: a captured graph holds it as a constant

@@ -3,6 +3,8 @@
 # Transformers is older than 5.24, the wheel installed under /tmp/site (see README "Tests and benchmarks"). Logs and
 # JSON under $OUT.
 #   bash scripts/dev/gpu_session.sh tests   # the whole tests/gpu
+#   bash scripts/dev/gpu_session.sh sparse  # tests/gpu/test_gpu_sparse.py, then the DeepSeek-V3.2-shape decode grid
+#                                           # (eager, sdpa, flashinfer_mla; batch 1/8/32 x 8k-128k, then 160k at 32)
 #   bash scripts/dev/gpu_session.sh bench   # host time per layer, this package against the revision unpacked in
 #                                           # ab_old/ (git archive REV hf_flashinfer_mla scripts); the V3-shape grid
 #                                           # (eager mode); the CUDA-graph target cell; DeepSeek-V2-Lite static-cache
@@ -20,6 +22,15 @@ case "$1" in
   tests)
     timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu -s 2>&1 | tee "$O/gpu_tests.txt" \
       | grep -E "rel|compiles|passed|failed|Error|error" | tail -70 ;;
+  sparse)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_sparse.py -s 2>&1 | tee "$O/gpu_sparse_tests.txt" \
+      | grep -E "rel|passed|failed|Error|error" | tail -30
+    cd "$ROOT/scripts"
+    run 330 sparse_grid.txt python3 bench_decode.py --model deepseek-v32-attn --batch 1 8 32 \
+        --context 8192 32768 65536 131072 --steps 5 --warmup 2 --time-limit 260 --out "$O" --name decode_v32.json
+    run 60 sparse_longest.txt python3 bench_decode.py --model deepseek-v32-attn --batch 32 --context 163840 \
+        --attn flashinfer_mla --steps 3 --warmup 1 --no-floor --out "$O" --name decode_v32_longest.json
+    for f in sparse_grid sparse_longest; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -25; done ;;
   bench)
     for v in old new; do
       if [ $v = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi

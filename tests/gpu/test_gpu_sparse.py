@@ -1,0 +1,182 @@
+"""Sparse MLA (DSA) decode on a real GPU: FlashInfer's fa3/fa2 over the indexer's selection, against the float64
+reference on the same indices, and a DeepSeek-V3.2-shaped model against Transformers' eager (bf16).
+
+Skipped without CUDA. Where the decode path is observed or faulted: ``kernels.fa.run`` (every fa2/fa3 launch, with
+the layer's indices). The model-level bounds are checked to be discriminating: the same comparison with each
+query token's selection swapped for its most recent positions must fail them, and the control asserts that every
+decode layer of every step ran with the fault.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from hf_flashinfer_mla import capabilities
+from hf_flashinfer_mla.kernels import fa, reference
+from hf_flashinfer_mla.plan import StepPlan, decode_latent
+from hf_flashinfer_mla.rows import Rows
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEV = torch.device("cuda")
+KERNELS = ["fa3", "fa2"]
+KERNEL_TOL = 2e-2  # bf16 operands against the float64 reference
+LOGIT_TOL = 5e-2
+TOP1_MIN = 0.90
+
+
+def _available(backend, heads=128):
+    reason = capabilities.unavailable_reason(backend, DEV, torch.bfloat16, 512, 64, heads)
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _indexer_like(mask, topk, g):
+    """Indices as Transformers' indexers return them: top-k of random scores with the hidden positions at -inf
+    (so a row that sees fewer than topk positions ends with hidden ones)."""
+    scores = torch.rand(mask.shape[0], mask.shape[2], mask.shape[3], device=DEV, generator=g)
+    scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+    return scores.topk(min(topk, mask.shape[3]), dim=-1).indices.to(torch.int32)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("heads,q_len", [(128, 1), (64, 1), (16, 2)])
+def test_sparse_kernel_matches_float64_reference(backend, heads, q_len):
+    """Rows shorter than topk (their tail indices point at hidden positions), longer ones, left padding and a
+    static tail holding garbage, a latent view with a pitch (capacity) beyond its length."""
+    _available(backend, heads)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    topk, lens, pad, cap = 2048, (300, 2047, 2600, 5000), (0, 7, 64, 1), 5200
+    b, s = len(lens), max(p + n for p, n in zip(pad, lens))
+    kv = torch.randn(b, 1, cap, 512, device=DEV, dtype=torch.bfloat16, generator=g)[:, :, :s]
+    kr = torch.randn(b, 1, cap, 64, device=DEV, dtype=torch.bfloat16, generator=g)[:, :, :s]
+    mask = torch.zeros(b, 1, q_len, s, dtype=torch.bool, device=DEV)
+    for i, (p, n) in enumerate(zip(pad, lens)):
+        mask[i, 0, :, p:p + n] = True
+        mask[i, 0] &= torch.ones(q_len, s, dtype=torch.bool, device=DEV).tril(p + n - q_len)
+        kv[i, :, :p] = 1e4  # garbage where the mask hides
+        kv[i, :, p + n:] = 1e4
+    indices = _indexer_like(mask, topk, g)
+    q_lat = torch.randn(b, heads, q_len, 512, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
+    q_pe = torch.randn(b, heads, q_len, 64, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
+    rows = Rows(torch.tensor([p + n for p, n in zip(pad, lens)], dtype=torch.int32) - torch.tensor(pad,
+                dtype=torch.int32), q_len, torch.tensor(pad))
+    step = StepPlan(mask, rows)
+    ours = decode_latent(step, backend, q_lat, q_pe, kv, kr, 0.07, indices=indices)
+    assert [route.backend for route in step.routes.values()] == [backend]
+    h, n = heads, b * q_len
+    oracle = reference.attend_sparse(
+        mask, indices, 0.07, q_lat.double().transpose(0, 1).reshape(h, n, 512),
+        q_pe.double().transpose(1, 2).reshape(n, h, 64), kv.double(), kr.double(),
+    ).view(h, b, q_len, 512).transpose(0, 1)
+    err = rel(ours, oracle)
+    print(f"sparse {backend} heads {heads} q_len {q_len}: rel err {err:.2e}")
+    assert torch.isfinite(ours).all() and err < KERNEL_TOL
+
+
+# ---------------------------------------------------------------- a DeepSeek-V3.2-shaped model
+def _v32_model():
+    """DeepSeek-V3.2's attention and indexer dims (128 heads, 512 + 64 latent, 64 indexer heads of 128), two dense
+    layers, and an index_topk of 48 so that the selection matters at these contexts (37 to 128 tokens)."""
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=4096, hidden_size=7168, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, index_n_heads=64, index_head_dim=128, index_topk=48, first_k_dense_replace=2, n_group=1,
+        topk_group=1, max_position_embeddings=8192, initializer_range=0.05, eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                         dtype=torch.bfloat16).to(DEV).eval()
+
+
+@torch.no_grad()
+def _teacher_forced(model, **kwargs):
+    g = torch.Generator().manual_seed(1)
+    lengths = (37, 20, 64, 5)
+    w = max(lengths)
+    ids = torch.zeros(len(lengths), w, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, w - n:] = torch.randint(1, 4096, (n,), generator=g)
+        mask[i, w - n:] = 1
+    forced = torch.randint(1, 4096, (len(lengths), 64), generator=g).to(DEV)
+    ids, mask = ids.to(DEV), mask.to(DEV)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=model.config),
+                use_cache=True)
+    logits = []
+    for t in range(forced.shape[1]):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+        pos = pos[:, -1:] + 1
+        out = model(input_ids=forced[:, t:t + 1], attention_mask=mask, position_ids=pos, cache=out.cache,
+                    use_cache=True, **kwargs)
+        logits.append(out.logits[:, -1].float())
+    return torch.stack(logits, 1)
+
+
+def _compare(ours, oracle):
+    return rel(ours, oracle), (ours.argmax(-1) == oracle.argmax(-1)).float().mean().item()
+
+
+@pytest.fixture(scope="module")
+def v32():
+    model = _v32_model()
+    eager = _teacher_forced(model)
+    model.set_attn_implementation("flashinfer_mla")
+    reference_logits = _teacher_forced(model, mla_backend="reference")
+    yield model, eager, reference_logits
+    del model
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_v32_teacher_forced_64_steps_match_eager_and_reference(v32, backend, monkeypatch):
+    _available(backend)
+    model, eager, reference_logits = v32
+    launches = []
+    real_run = fa.run
+
+    def counted(meta, layer, *args, **kwargs):
+        launches.append(layer.topk)
+        return real_run(meta, layer, *args, **kwargs)
+
+    monkeypatch.setattr(fa, "run", counted)
+    ours = _teacher_forced(model, mla_backend=backend)
+    assert launches == [48] * (64 * model.config.num_hidden_layers)  # every decode layer ran sparse on the kernel
+    err_e, top1_e = _compare(ours, eager)
+    err_r, top1_r = _compare(ours, reference_logits)
+    ref_e, ref_top1 = _compare(reference_logits, eager)
+    print(f"v3.2 {backend}: vs eager rel {err_e:.2e} top1 {top1_e:.3f} | vs reference rel {err_r:.2e} top1 "
+          f"{top1_r:.3f} | reference vs eager rel {ref_e:.2e} top1 {ref_top1:.3f}")
+    assert torch.isfinite(ours).all()
+    assert err_e < LOGIT_TOL and top1_e >= TOP1_MIN
+    assert err_r < LOGIT_TOL and top1_r >= TOP1_MIN
+
+
+def test_v32_bounds_catch_a_wrong_selection(v32, monkeypatch):
+    """Each query token attending to its most recent `topk` visible positions instead of the indexer's choice must
+    fail the bounds above; injected at every fa2/fa3 launch, and the control checks it ran there."""
+    backend = "fa3" if capabilities.unavailable_reason("fa3", DEV, torch.bfloat16, 512, 64, 128) is None else "fa2"
+    _available(backend)
+    model, eager, _ = v32
+    faulted = []
+    real_run = fa.run
+
+    def recent_instead(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None):
+        faulted.append(indices.shape)
+        end = kv_latent.shape[2]
+        recent = torch.arange(end - layer.topk, end, device=indices.device, dtype=torch.int32).flip(0)
+        return real_run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales, recent.expand_as(indices).contiguous())
+
+    monkeypatch.setattr(fa, "run", recent_instead)
+    wrong = _compare(_teacher_forced(model, mla_backend=backend), eager)
+    assert len(faulted) == 64 * model.config.num_hidden_layers
+    print(f"v3.2 control (most recent positions instead of the selection): rel {wrong[0]:.2e} top1 {wrong[1]:.3f}")
+    assert wrong[0] >= LOGIT_TOL or wrong[1] < TOP1_MIN
