@@ -205,6 +205,7 @@ class PagedStep:
     tokens: int  # query tokens of the forward, padding included
     routes: dict = field(default_factory=dict)
     _tables: dict = field(default_factory=dict)
+    started: bool = False  # a forward has run on it
 
     def __post_init__(self):
         self.cu_q = torch.zeros(self.batch + 1, dtype=torch.long)
@@ -260,8 +261,11 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
     -> ``(attn_output [1, T, H, v_head_dim], None)``; padding tokens get zeros."""
     cu_q = kwargs["cu_seq_lens_q"]
     step = allocator.step
-    if step is None or not step.matches(query.shape[2], cu_q):
+    # A prepared step serves exactly one forward: the one whose first layer finds it unstarted.
+    first = module.layer_idx == allocator.layer_indices[0]
+    if step is None or (first and step.started) or not step.matches(query.shape[2], cu_q):
         step = allocator.step = PagedStep.from_kwargs(cu_q, kwargs["cu_seq_lens_k"], query.shape[2])
+    step.started = True
     read_index = kwargs["read_index"][allocator.index]
     # A step with no cached past reads nothing back: its rows are the ones it writes, in the same order.
     source = read_index if read_index.numel() else kwargs["write_index"][allocator.index]
