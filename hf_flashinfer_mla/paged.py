@@ -170,8 +170,9 @@ def refuse_unservable(model) -> None:
     if unknown:
         raise UnsupportedModelError(
             f'continuous batching cannot serve model_type "{model_type}": its layers of type {", ".join(unknown)} '
-            f"(linear attention) have no paged cache in Transformers' continuous batching, which keeps only "
-            "full- and sliding-window attention caches. Use generate(), which runs every layer type."
+            "have no paged cache for the MLA latent (Transformers' continuous batching keeps full- and sliding-window "
+            "attention caches only, and this package gives latent rows to the full-attention ones). Use generate(), "
+            "which runs every layer type."
         )
     if getattr(model, "_device_mesh", None) is not None:
         raise UnsupportedModelError(

@@ -23,6 +23,10 @@ hands each 2D mask's `rows.GrowingMask` on to the next, wider mask (and plans th
 runs this one), and Transformers' mask preprocessing carries it over to the boolean copy it makes of the 2D mask
 before calling the mask function. Finally, generate()'s compiled step raises for a step that a CUDA-graph slot of
 its shape cannot serve (a replay cannot switch backends).
+
+Continuous batching (``generate_batch``, the manager, ``transformers serve``) gets three wrappers, in one block at the
+end: the manager refuses what it cannot serve in the caller's thread and turns CUDA graphs off, the paged cache holds
+the latent (``paged.py``), and each prepared batch hands its host-side lengths to the attention.
 """
 
 from __future__ import annotations
