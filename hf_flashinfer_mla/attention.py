@@ -32,6 +32,7 @@ from .kernels.graphs import mask_planned_outside_graph
 from .kernels import reference
 from .masks import MAX_DECODE_QUERY, selection_mask
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
+from .paged import allocator_of, attend as paged_attend
 from .plan import PLAN_ATTR, as_bool_mask, layer_of, step_plan
 
 logger = logging.get_logger("hf_flashinfer_mla")
@@ -63,6 +64,9 @@ def flashinfer_mla_attention_forward(
             f"`{ATTN_NAME}` attention does not return attention weights (`output_attentions=True`): set the "
             'attention to "eager" if you need them.'
         )
+    paged = allocator_of(key)  # continuous batching: key/value are rows of the paged latent cache (paged.py)
+    if paged is not None:
+        return paged_attend(paged, module, query, key, value, scaling, mla_backend, **kwargs)
     kv_latent, k_rot = _check_latent(module, key, value)
     if mla_backend is not None and not torch.compiler.is_compiling():
         requested_backend(mla_backend, module.config)  # an unknown name fails at the call, prefill included

@@ -23,6 +23,10 @@ hands each 2D mask's `rows.GrowingMask` on to the next, wider mask (and plans th
 runs this one), and Transformers' mask preprocessing carries it over to the boolean copy it makes of the 2D mask
 before calling the mask function. Finally, generate()'s compiled step raises for a step that a CUDA-graph slot of
 its shape cannot serve (a replay cannot switch backends).
+
+Continuous batching (``generate_batch``, the manager, ``transformers serve``) gets three wrappers, in one block at the
+end: the manager refuses what it cannot serve in the caller's thread and turns CUDA graphs off, the paged cache holds
+the latent (``paged.py``), and each prepared batch hands its host-side lengths to the attention.
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
 
+from . import paged
 from .attention import flashinfer_mla_attention_forward
 from .cache import MLAStaticLayer, adopt_latent_layers, packed_layout_for
 from .capabilities import LOAD_ATTR, requested_backend, validate_backend
 from .errors import UnsupportedModelError
 from .masks import flashinfer_mla_mask
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
+
 from .plan import plan_of
 from .rows import GrowingMask
 
@@ -247,6 +253,61 @@ def _slots_checked_before_compiled_steps(original):
     return get_compiled_call
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Continuous batching (generate_batch, init_continuous_batching, transformers serve) over the paged latent cache:
+# the logic lives in paged.py; these three wrappers are the seams where Transformers 5.24 offers no hook.
+# ----------------------------------------------------------------------------------------------------------------
+def _manager_checked(original):
+    # The manager is built in the caller's thread, before the background loop: the one place where a model continuous
+    # batching cannot serve can raise (the loop turns any error into FAILED requests with empty outputs). It keeps
+    # "flashinfer_mla" as a flash implementation (the name contains "flash") and so turns CUDA graphs on, which the
+    # host-planned paged kernels cannot replay: they are turned off here, with one log line saying why.
+    @functools.wraps(original)
+    def __init__(self, model, *args, **kwargs):
+        paged.refuse_unservable(model)
+        original(self, model, *args, **kwargs)
+        if paged.uses_latent(self.model.config.get_text_config()):
+            paged.disable_graphs(self.continuous_batching_config)
+
+    __init__._flashinfer_mla_cb = True
+    return __init__
+
+
+def _latent_paged_cache(original):
+    # PagedAttentionCache picks its allocator from a module-level table and sizes tokens from the config's head_dim
+    # and key-value heads: per-head K/V rows, which the MLA latent does not fit. For flashinfer_mla models it is built
+    # by Transformers' own code, with latent rows (paged.LatentAllocator) and a config view that sizes them.
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        if not paged.uses_latent(config):
+            return original(self, config, *args, **kwargs)
+        return paged.build_paged_cache(original, self, config, *args, **kwargs)
+
+    __init__._flashinfer_mla_cb = True
+    return __init__
+
+
+def _paged_steps(original):
+    # The attention receives only device tensors (cu_seq_lens, read indices); reading their lengths would wait for
+    # the GPU. Here, where Transformers has just laid out the batch on the host, its lengths go to the latent
+    # allocator, so every layer of the step plans its kernels without a sync.
+    @functools.wraps(original)
+    def prepare_batch_tensors(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        paged.prepare_step(self.cache, self.requests_in_batch, self.num_q_tokens)
+
+    prepare_batch_tensors._flashinfer_mla_cb = True
+    return prepare_batch_tensors
+
+
+def _register_continuous_batching() -> None:
+    from transformers.generation.continuous_batching import cache as cb_cache, continuous_api, input_outputs
+
+    _patch(continuous_api.ContinuousBatchingManager, "__init__", _manager_checked, "_flashinfer_mla_cb")
+    _patch(cb_cache.PagedAttentionCache, "__init__", _latent_paged_cache, "_flashinfer_mla_cb")
+    _patch(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", _paged_steps, "_flashinfer_mla_cb")
+
+
 def _patch(owner, name: str, wrap, marker: str, unwrap=lambda f: f) -> None:
     current = getattr(owner, name)
     if not getattr(current, marker, False):
@@ -267,3 +328,4 @@ def register() -> None:
     _patch(GenerationMixin, "_update_model_kwargs_for_generation", _growing_masks, "_flashinfer_mla_rows")
     _patch(masking_utils, "_preprocess_mask_arguments", _rows_kept_on_copies, "_flashinfer_mla_rows")
     _patch(PreTrainedModel, "get_compiled_call", _slots_checked_before_compiled_steps, "_flashinfer_mla_graphs")
+    _register_continuous_batching()

@@ -25,6 +25,9 @@ CPU = ["--device", "cpu", "--dtype", "float32"]
     ("bench_generate", ["--model", "tiny", "--prompt", "8", "--new", "3", "--repeats", "1"], "generate_tiny.json"),
     ("bench_host", ["--model", "tiny", "--batch", "2", "--context", "32", "--steps", "1", "--warmup", "0"],
      "host.json"),
+    ("bench_serving", ["--model", "tiny", "--requests", "5", "--prompt-min", "3", "--prompt-max", "9", "--new", "2",
+                       "--static-batch", "4", "--cb-num-blocks", "64", "--cb-page-size", "16",
+                       "--cb-max-batch-tokens", "16", "--no-progress"], "serving_tiny.json"),
 ])
 def test_script_runs_on_cpu(script, args, output, tmp_path, capsys):
     module = __import__(script)

@@ -1,0 +1,67 @@
+"""``python -m hf_flashinfer_mla.serve``: Transformers' own ``transformers serve`` with ``flashinfer_mla`` registered.
+
+``transformers serve`` (Transformers 5.24) accepts only ``eager``, ``sdpa``, ``flash_attention_2/3``,
+``flex_attention`` or a Hub kernel id, and runs in a process that never imports this package. This wrapper is the
+thinnest way in: it imports the package (which registers the implementation and continuous batching's paged latent
+cache), lets Transformers' `ModelManager` accept the name, and starts Transformers' own CLI with the same options.
+Two additions, both for MLA checkpoints:
+
+* ``--attn-implementation`` defaults to ``flashinfer_mla`` (any other value is passed through unchanged);
+* with ``--continuous-batching``, a model continuous batching cannot serve (see ``paged.refuse_unservable``) fails
+  when it is loaded (at server start for a model named on the command line), not at its first request.
+
+    python -m hf_flashinfer_mla.serve /path/to/DeepSeek-V2-Lite-Chat --continuous-batching --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import paged
+from .models import ATTN_NAME
+
+
+def _model_manager_class():
+    from transformers.cli.serving.model_manager import ModelManager
+
+    class MLAModelManager(ModelManager):
+        """Transformers' `ModelManager`, accepting ``flashinfer_mla`` and checking continuous batching at load."""
+
+        def __init__(self, *args, continuous_batching: bool = False, **kwargs):
+            self._flashinfer_mla_cb = continuous_batching  # (set first: the forced model loads inside __init__)
+            super().__init__(*args, continuous_batching=continuous_batching, **kwargs)
+
+        def _validate_args(self):
+            # Transformers checks the name against a fixed set; everything else it checks is kept.
+            implementation = self.attn_implementation
+            if implementation == ATTN_NAME:
+                self.attn_implementation = None
+            try:
+                super()._validate_args()
+            finally:
+                self.attn_implementation = implementation
+
+        def _load_model(self, *args, **kwargs):
+            model = super()._load_model(*args, **kwargs)
+            if self._flashinfer_mla_cb:
+                paged.refuse_unservable(model)
+            return model
+
+    return MLAModelManager
+
+
+def main(argv: list[str] | None = None) -> None:
+    import transformers.cli.serving.model_manager as model_manager
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--attn-implementation" or a.startswith("--attn-implementation=") for a in argv):
+        argv += ["--attn-implementation", ATTN_NAME]
+    # `Serve` imports ModelManager from this module when it starts: it gets the subclass.
+    model_manager.ModelManager = _model_manager_class()
+    from transformers.cli.transformers import app
+
+    app(args=["serve", *argv], prog_name="python -m hf_flashinfer_mla.serve")
+
+
+if __name__ == "__main__":
+    main()

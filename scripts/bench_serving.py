@@ -1,0 +1,220 @@
+"""Serving benchmark: many requests arriving at once, continuous batching against static generate() batches.
+
+Random weights (nothing is downloaded). `--requests` prompts of random lengths in [--prompt-min, --prompt-max]
+(fixed seed) all arrive at t0; each generates `--new` tokens greedily (EOS off). Modes, in one run:
+
+  cb-flashinfer_mla        model.init_continuous_batching() with attn_implementation="flashinfer_mla" (the paged
+                           latent cache of hf_flashinfer_mla.paged), every request added at t0
+  generate-flashinfer_mla  generate() on left-padded static batches of --static-batch requests, one after the other
+  generate-sdpa            the same with attn_implementation="sdpa"
+
+Reported per mode: total output tokens/s (all new tokens / wall time from t0), time to first token and inter-token
+latency (p50, p99; a static batch's requests wait for the batches before them), peak GPU memory.
+
+    python scripts/bench_serving.py --model deepseek-v2-lite --out bench_out
+    python scripts/bench_serving.py --model deepseek-v3-attn --out bench_out
+    python scripts/bench_serving.py --model tiny --device cpu --dtype float32 --requests 6 --prompt-min 4 \\
+        --prompt-max 12 --new 3 --static-batch 4           # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import bench_common as bc
+
+MODES = ("cb-flashinfer_mla", "generate-flashinfer_mla", "generate-sdpa")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def make_prompts(args, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g)
+    return [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr)
+
+
+def run_cb(model, prompts, args, device) -> dict:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model.set_attn_implementation("flashinfer_mla")
+    gen = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=args.cb_page_size, max_batch_tokens=args.cb_max_batch_tokens,
+                                  max_memory_percent=args.cb_memory, num_blocks=args.cb_num_blocks)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.start()
+    ttft, itl, tokens = [], [], 0
+    try:
+        t0 = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=args.new, record_timestamps=True) for p in prompts]
+        pending = set(ids)
+        with progress(len(ids), "cb-flashinfer_mla", args.progress) as bar:
+            while pending:
+                out = manager.get_result(timeout=1)
+                if out is None:
+                    if not manager.is_running():
+                        raise RuntimeError("the continuous batching loop stopped")
+                    continue
+                if not out.is_finished() or out.request_id not in pending:
+                    continue
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                pending.discard(out.request_id)
+                bar.update(1)
+                tokens += len(out.generated_tokens)
+                stamps = out.timestamps or []
+                if stamps:
+                    ttft.append(stamps[0] - t0)
+                    itl += [b - a for a, b in zip(stamps, stamps[1:])]
+        bc.synchronize(device)
+        wall = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True, timeout=60)
+        model.destroy_cached_continuous_batching_manager()
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl}
+
+
+class StepTimes:
+    """A generate() streamer that records when each step's tokens exist (its first call is the prompt)."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def put(self, value):
+        bc.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def run_static(model, attn, prompts, args, device) -> dict:
+    model.set_attn_implementation(attn)
+    ttft, itl, tokens = [], [], 0
+    t0 = time.perf_counter()
+    with progress(len(prompts), f"generate-{attn}", args.progress) as bar:
+        for start in range(0, len(prompts), args.static_batch):
+            batch = prompts[start : start + args.static_batch]
+            width = max(len(p) for p in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(batch):
+                ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+            steps = StepTimes(device)
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=args.new,
+                                 min_new_tokens=args.new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 streamer=steps)
+            new = out.shape[1] - width
+            tokens += new * len(batch)
+            stamps = steps.times[1:]  # after the prompt
+            ttft += [stamps[0] - t0] * len(batch)
+            itl += [b - a for a, b in zip(stamps, stamps[1:])] * len(batch)
+            bar.update(len(batch))
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl}
+
+
+def run(mode, model, prompts, args, device) -> dict:
+    rec = {"mode": mode, "status": "ok"}
+    bc.free_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        kind, attn = mode.split("-", 1)
+        got = run_cb(model, prompts, args, device) if kind == "cb" else run_static(model, attn, prompts, args, device)
+        rec.update(
+            wall_s=got["wall_s"], output_tokens=got["tokens"], tokens_per_s=got["tokens"] / got["wall_s"],
+            ttft_p50_s=percentile(got["ttft"], 50), ttft_p99_s=percentile(got["ttft"], 99),
+            itl_p50_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 50),
+            itl_p99_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 99),
+            itl_mean_ms=None if not got["itl"] else 1e3 * statistics.fmean(got["itl"]),
+        )
+    except Exception as exc:  # noqa: BLE001  (an OOM or a failure is a result of its cell, the others still run)
+        rec.update(bc.failure(exc))
+        if bc.is_fatal_cuda_error(exc):
+            raise
+    if device.type == "cuda":
+        rec["peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / bc.MIB
+    bc.free_memory(device)
+    return rec
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="deepseek-v2-lite", choices=bc.MODEL_NAMES)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prompt-min", type=int, default=128)
+    p.add_argument("--prompt-max", type=int, default=4096)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--static-batch", type=int, default=32)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--cb-page-size", type=int, default=256)
+    p.add_argument("--cb-max-batch-tokens", type=int, default=None, help="default: Transformers' (8192)")
+    p.add_argument("--cb-memory", type=float, default=None, help="max_memory_percent (default: Transformers')")
+    p.add_argument("--cb-num-blocks", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--experts-impl", default=None)
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default=None, help="JSON file name (default: serving_<model>.json)")
+    args = p.parse_args(argv)
+    if not 1 <= args.prompt_min <= args.prompt_max or args.new < 1 or args.requests < 1:
+        p.error("need 1 <= --prompt-min <= --prompt-max, --new >= 1 and --requests >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, dtype = bc.resolve_device(args.device), bc.DTYPES[args.dtype]
+    name = args.name or f"serving_{args.model}.json"
+    payload = {"metadata": bc.environment(device, args), "results": []}
+    config = bc.build_config(args.model, args.layers)
+    config.eos_token_id = None
+    model = bc.build_model(config, dtype, device, args.experts_impl)
+    prompts = make_prompts(args, config.vocab_size)
+    for mode in args.modes:
+        rec = run(mode, model, prompts, args, device)
+        payload["results"].append(rec)
+        shown = f"{rec['tokens_per_s']:.1f} tok/s" if rec["status"] == "ok" else rec["status"]
+        print(f"  {args.model} {mode}: {shown}", flush=True)
+        bc.write_json(args.out, name, payload)
+    rows = []
+    for r in payload["results"]:
+        ok = r["status"] == "ok"
+        rows.append([r["mode"], bc.fmt(r.get("tokens_per_s") if ok else None, ".1f"),
+                     bc.fmt(r.get("ttft_p50_s") if ok else None), bc.fmt(r.get("ttft_p99_s") if ok else None),
+                     bc.fmt(r.get("itl_p50_ms") if ok else None, ".1f"),
+                     bc.fmt(r.get("itl_p99_ms") if ok else None, ".1f"),
+                     bc.fmt(r.get("peak_memory_mib"), ".0f"), "" if ok else r["status"].upper()])
+    print()
+    bc.print_table(["mode", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "peak MiB", ""],
+                   rows, [f"{args.model}: {args.requests} requests at once, prompts {args.prompt_min}-"
+                          f"{args.prompt_max} tokens, {args.new} new tokens each, greedy; static batches of "
+                          f"{args.static_batch}"])
+    path = bc.write_json(args.out, name, payload)
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Continuous batching (``generate_batch``, the manager) over the paged latent cache (``paged.py``), on the CPU.
+
+Every dense family of the registry generates through Transformers' own continuous-batching loop, with a cache small
+enough that requests queue and prefills are chunked (so steps mix decodes with prefill chunks that read a cached
+past), and must give exactly the tokens of eager ``generate()`` run on each prompt alone.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.distributed import DistributedHelper
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from conftest import FAMILIES, HYBRIDS, VOCAB, make_config, make_model, package_warnings
+from hf_flashinfer_mla import UnsupportedModelError, paged
+
+NEW_TOKENS = 5
+LENGTHS = (3, 9, 1, 14, 6, 11)
+DENSE = [t for t in FAMILIES if t not in HYBRIDS]
+
+
+def prompts(lengths=LENGTHS, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def small_cb(**overrides) -> ContinuousBatchingConfig:
+    """Pages of 4 tokens, 16 query tokens and 4 requests per step: 44 prompt tokens need several steps, the
+    14-token prompt is prefilled in chunks, and later requests wait in the queue."""
+    return ContinuousBatchingConfig(**{"page_size": 4, "num_blocks": 48, "max_batch_tokens": 16,
+                                       "max_requests_per_batch": 4, **overrides})
+
+
+def greedy(new_tokens=NEW_TOKENS) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def eager_tokens(model, batch, new_tokens=NEW_TOKENS) -> list[list[int]]:
+    """Each prompt generated alone with eager attention: the oracle."""
+    model.set_attn_implementation("eager")
+    try:
+        return [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in batch]
+    finally:
+        model.set_attn_implementation("flashinfer_mla")
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every `PagedStep` the loop prepared: (query lengths, rows seen) per request."""
+    seen = []
+    original = paged.PagedStep.of_batch
+
+    def of_batch(requests, tokens):
+        step = original(requests, tokens)
+        seen.append((step.q_lens.tolist(), step.k_lens.tolist()))
+        return step
+
+    monkeypatch.setattr(paged.PagedStep, "of_batch", staticmethod(of_batch))
+    return seen
+
+
+@pytest.mark.parametrize("model_type", DENSE)
+def test_generate_batch_matches_eager(model_type, steps):
+    model = make_model(model_type, dtype=torch.float32)
+    batch = prompts()
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert [o.error for o in out.values()] == [None] * len(batch)
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    # The schedule did what the test is for: queueing, a chunk reading its cached past, decodes beside prefills.
+    assert max(len(q) for q, _ in steps) < len(batch)
+    assert any(q > 1 and k > q for qs, ks in steps for q, k in zip(qs, ks))
+    assert any(1 in qs and any(q > 1 for q in qs) for qs, _ in steps)
+    assert model.config._attn_implementation == "flashinfer_mla"  # the manager switched nothing
+
+
+def test_shared_prefixes_read_shared_blocks():
+    """Prefix sharing: later requests reuse the cached latent rows of a common prompt prefix (their prefill starts
+    after it), and still give eager's tokens."""
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    prefix = prompts((12,), seed=5)[0]
+    batch = [prefix + tail for tail in prompts((3, 5, 2), seed=6)]
+    cb = small_cb(max_requests_per_batch=1, max_batch_tokens=32)
+    manager = model.init_continuous_batching(generation_config=greedy(), continuous_batching_config=cb)
+    manager.start()
+    try:
+        got = []
+        for p in batch:  # one after the other, so that the first one's complete blocks are in the cache
+            rid = manager.add_request(p, max_new_tokens=NEW_TOKENS)
+            got.append(next(o for o in manager.request_id_iter(rid) if o.is_finished()).generated_tokens)
+        assert manager.batch_processor.cache.use_prefix_sharing
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert got == eager_tokens(model, batch)
+
+
+def test_manager_streams_and_cancels():
+    model = make_model("deepseek_v2", dtype=torch.float32)
+    short, long_ = prompts((7, 4), seed=8)
+    expected = eager_tokens(model, [short])[0]  # before the manager's thread runs the model
+    manager = model.init_continuous_batching(generation_config=greedy(), continuous_batching_config=small_cb())
+    manager.start()
+    try:
+        rid = manager.add_request(short, max_new_tokens=NEW_TOKENS, streaming=True)
+        streamed = [o.generated_tokens for o in manager.request_id_iter(rid)]
+        # One output per new token, each extending the last: the stream of eager's tokens.
+        assert [len(s) for s in streamed] == list(range(1, NEW_TOKENS + 1))
+        assert all(a == b[: len(a)] for a, b in zip(streamed, streamed[1:]))
+        assert streamed[-1] == expected
+
+        cancelled = manager.add_request(long_, max_new_tokens=200, streaming=True)
+        for out in manager.request_id_iter(cancelled):
+            if len(out.generated_tokens) >= 2:
+                manager.cancel_request(cancelled)
+                break
+        time.sleep(0.5)
+        late = []
+        while (out := manager.get_result(timeout=0.2)) is not None:
+            late.append(out)
+        assert all(len(o.generated_tokens) < 200 for o in late)  # it stopped, and never finished
+        assert not manager.batch_processor.scheduler.active_requests
+        # The manager keeps serving after a cancellation.
+        again = manager.add_request(short, max_new_tokens=NEW_TOKENS)
+        assert next(o for o in manager.request_id_iter(again) if o.is_finished()).generated_tokens == streamed[-1]
+    finally:
+        manager.stop(block=True, timeout=10)
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_hybrids_refused_at_generate_batch(model_type):
+    model = make_model(model_type, dtype=torch.float32)
+    with pytest.raises(UnsupportedModelError, match="linear_attention.*no paged cache"):
+        model.generate_batch(prompts((3, 4)), generation_config=greedy(), continuous_batching_config=small_cb())
+
+
+def test_mla_on_other_implementations_refused():
+    model = make_model("deepseek_v3", attn="sdpa", dtype=torch.float32)
+    with pytest.raises(UnsupportedModelError, match='attn_implementation="flashinfer_mla"'):
+        model.generate_batch(prompts((3, 4)), generation_config=greedy(), continuous_batching_config=small_cb())
+
+
+def test_sparse_refused():
+    config = CONFIG_MAPPING["deepseek_v32"]()
+    with pytest.raises(UnsupportedModelError, match="Sparse Attention"):
+        paged.refuse_unservable(SimpleNamespace(config=config))
+
+
+def test_non_mla_models_untouched():
+    """A non-MLA model passes the check and gets Transformers' own per-head cache."""
+    config = CONFIG_MAPPING["llama"](hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                     num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB)
+    config._attn_implementation = "sdpa"
+    paged.refuse_unservable(SimpleNamespace(config=config))
+    cache = _paged_cache(config)
+    assert type(cache.cache_allocators["full_attention"]).__name__ == "FullAttentionCacheAllocator"
+
+
+def _paged_cache(config, dtype=torch.bfloat16):
+    cb = small_cb(num_blocks=8, max_memory_percent=0.5)
+    cb.max_blocks_per_request = 0
+    return PagedAttentionCache(config, cb, "cpu", DistributedHelper(None, None), dtype=dtype)
+
+
+def test_cache_sized_from_latent_bytes():
+    """DeepSeek-V3's attention shape: 576 values per token and layer, where Transformers' per-head sizing (its
+    head_dim is the rope width, 64, for 128 key-value heads) takes 2 x 128 x 64 = 16384: 28x more tokens."""
+    config = make_config("deepseek_v3", num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512,
+                         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, head_dim=64)
+    config._attn_implementation = "flashinfer_mla"
+    cache = _paged_cache(config)
+    allocator = cache.cache_allocators["full_attention"]
+    assert isinstance(allocator, paged.LatentAllocator)
+    assert allocator.bytes_per_page == 4 * 576 * 2  # page_size x latent row x bf16
+    config._attn_implementation = "sdpa"
+    per_head = _paged_cache(config).cache_allocators["full_attention"]
+    assert per_head.bytes_per_page / allocator.bytes_per_page == pytest.approx(2 * 128 * 64 / 576)
+    # Transformers' own sizing counts the latent's bytes: the same number of blocks takes that much less memory.
+    ratio = _paged_cache(config).cache_tensor.numel() / cache.cache_tensor.numel()
+    assert ratio == pytest.approx(2 * 128 * 64 / 576)
+
+
+def test_odd_latent_width_rounds_up():
+    config = make_config("minicpm3", kv_lora_rank=23, qk_rope_head_dim=4)
+    config._attn_implementation = "flashinfer_mla"
+    allocator = _paged_cache(config, torch.float32).cache_allocators["full_attention"]
+    assert allocator.row_width == 28 and allocator.bytes_per_page == 4 * 28 * 4
+
+
+def test_cuda_graphs_turned_off_once(caplog):
+    cb = ContinuousBatchingConfig(use_cuda_graph=True)
+    paged.disable_graphs(cb)
+    paged.disable_graphs(ContinuousBatchingConfig(use_cuda_graph=(True, False)))
+    assert cb.cuda_graph_booleans == (False, False)
+    assert len([m for m in package_warnings(caplog) if "without CUDA graphs" in m]) == 1
+
+
+def test_forward_without_prepared_step_reads_lengths(monkeypatch):
+    """A forward whose step was not laid out by the loop reads its lengths off its own kwargs."""
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    batch = prompts((5, 3, 8))
+    read = []
+    monkeypatch.setattr(paged, "prepare_step", lambda *a, **k: None)  # registration.py calls it through the module
+    original = paged.PagedStep.from_kwargs
+    monkeypatch.setattr(paged.PagedStep, "from_kwargs", staticmethod(lambda *a: read.append(1) or original(*a)))
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert read
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
