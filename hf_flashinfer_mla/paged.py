@@ -26,6 +26,7 @@ here are planned on the host from each step's lengths.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -97,9 +98,11 @@ class LatentAllocator(FullAttentionCacheAllocator):
         rows = typed[: total_rows * self.row_width].view(total_rows, self.row_width)
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, rows, pool)
         self._layer_rows = {layer: rows[i * self.tokens_per_page:] for i, layer in enumerate(self.layer_indices)}
-        # The views handed to the attention all have `typed` as their base: `allocator_of` finds the allocator there.
+        # The views handed to the attention all have `typed` as their base: `allocator_of` finds the allocator there,
+        # through a weak reference (a strong one would be a cycle through the tensor's __dict__, which Python's
+        # collector does not break: every generate_batch() would keep its whole cache alive).
         self._typed = typed
-        setattr(typed, _ALLOCATOR_ATTR, self)
+        setattr(typed, _ALLOCATOR_ATTR, weakref.ref(self))
 
     def update(self, key_states, value_states, layer_idx, read_index, write_index):
         """Write the new latent rows (``[T, 1, rank]``, ``[T, 1, rope]``) and hand back the layer's whole row views:
@@ -116,8 +119,8 @@ class LatentAllocator(FullAttentionCacheAllocator):
 
 def allocator_of(latent: torch.Tensor) -> LatentAllocator | None:
     """The `LatentAllocator` whose rows `latent` views (continuous batching), None for any other cache's tensor."""
-    base = latent._base
-    return None if base is None else getattr(base, _ALLOCATOR_ATTR, None)
+    ref = None if latent._base is None else getattr(latent._base, _ALLOCATOR_ATTR, None)
+    return None if ref is None else ref()
 
 
 _swap_lock = threading.Lock()

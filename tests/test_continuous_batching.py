@@ -146,9 +146,11 @@ def test_mla_on_other_implementations_refused():
 
 
 def test_sparse_refused():
-    config = CONFIG_MAPPING["deepseek_v32"]()
-    with pytest.raises(UnsupportedModelError, match="Sparse Attention"):
-        paged.refuse_unservable(SimpleNamespace(config=config))
+    """A DSA model runs flashinfer_mla in generate(), but continuous batching's paged cache has no indexer keys:
+    generate_batch raises in the caller's thread instead of failing every request."""
+    model = make_model("deepseek_v32", dtype=torch.float32)
+    with pytest.raises(UnsupportedModelError, match="Sparse Attention.*Use generate"):
+        model.generate_batch(prompts((3, 4)), generation_config=greedy(), continuous_batching_config=small_cb())
 
 
 def test_non_mla_models_untouched():
@@ -211,3 +213,15 @@ def test_forward_without_prepared_step_reads_lengths(monkeypatch):
     out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
     assert read
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+
+
+def test_generate_batch_frees_its_cache():
+    """The paged latent cache dies with its manager: each generate_batch() on a GPU holds most of its memory, so a
+    cache kept alive (a reference cycle through the cache tensor, once) would leave the next call none."""
+    import gc
+
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    model.generate_batch(inputs=prompts()[:2], generation_config=greedy(2),
+                         continuous_batching_config=small_cb())
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, (paged.LatentAllocator, PagedAttentionCache))]

@@ -5,6 +5,8 @@
 #   bash scripts/dev/gpu_session.sh tests   # the whole tests/gpu
 #   bash scripts/dev/gpu_session.sh sparse  # tests/gpu/test_gpu_sparse.py, then the DeepSeek-V3.2-shape decode grid
 #                                           # (eager, sdpa, flashinfer_mla; batch 1/8/32 x 8k-128k, then 160k at 32)
+#   bash scripts/dev/gpu_session.sh serving # tests/gpu/test_gpu_continuous_batching.py, the serving benchmark
+#                                           # (DeepSeek-V2-Lite, 256 requests), one CUDA-graph cell of the V3.2 shape
 #   bash scripts/dev/gpu_session.sh bench   # host time per layer, this package against the revision unpacked in
 #                                           # ab_old/ (git archive REV hf_flashinfer_mla scripts); the V3-shape grid
 #                                           # (eager mode); the CUDA-graph target cell; DeepSeek-V2-Lite static-cache
@@ -31,6 +33,14 @@ case "$1" in
     run 60 sparse_longest.txt python3 bench_decode.py --model deepseek-v32-attn --batch 32 --context 163840 \
         --attn flashinfer_mla --steps 3 --warmup 1 --no-floor --out "$O" --name decode_v32_longest.json
     for f in sparse_grid sparse_longest; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -25; done ;;
+  serving)
+    timeout 140 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_continuous_batching.py -s 2>&1 \
+      | tee "$O/gpu_cb_tests.txt" | grep -E "rel|passed|failed|Error|error" | tail -20
+    cd "$ROOT/scripts"
+    run 300 serving.txt python3 bench_serving.py --model deepseek-v2-lite --no-progress --out "$O"
+    run 100 sparse_graphs.txt python3 bench_decode.py --graphs --model deepseek-v32-attn --batch 1 32 --context 32768 \
+        --attn flashinfer_mla --steps 5 --no-floor --time-limit 60 --out "$O" --name decode_v32_graphs.json
+    for f in serving sparse_graphs; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -25; done ;;
   bench)
     for v in old new; do
       if [ $v = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
