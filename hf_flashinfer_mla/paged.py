@@ -40,6 +40,7 @@ from .absorption import absorb_query, absorbed_weights, project_output, rope_row
 from .errors import UnsupportedModelError
 from .kernels import Layer, Refused, fa, reference
 from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, original_expand_kv
+from .plan import Route, first_accepting
 from .rows import Rows, to_device
 
 logger = logging.get_logger("hf_flashinfer_mla")
@@ -320,25 +321,30 @@ def _prefill(step: PagedStep, decoded, module, query, kv_latent, k_rot, source, 
 
 @dataclass(eq=False)
 class PagedRoute:
-    """How one layer shape's decode tokens run this step: a backend, its layer spec and its metadata."""
+    """How one layer shape's decode tokens run this step: the `plan.Route` its chain chose (for the reference
+    backend, its metadata is each decode request's rows, gathered here, and their mask)."""
 
-    backend: str
-    layer: Layer
-    meta: object
+    route: Route
+
+    @property
+    def backend(self) -> str:
+        return self.route.backend
 
     def run(self, q_lat, q_pe, kv_latent, k_rot) -> torch.Tensor:
-        if self.backend == "reference":
-            index, mask = self.meta
+        route = self.route
+        if route.backend == "reference":
+            index, mask = route.meta
             n, width = index.shape
             lat = kv_latent[0, 0].index_select(0, index.flatten()).view(n, 1, width, -1)
             rot = k_rot[0, 0].index_select(0, index.flatten()).view(n, 1, width, -1)
-            return reference.attend(mask, self.layer.scale, q_lat, q_pe, lat, rot)
-        return fa.run(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot)
+            return reference.attend(mask, route.layer.scale, q_lat, q_pe, lat, rot)
+        return route.run(q_lat, q_pe, kv_latent, k_rot)
 
 
 def _route(step: PagedStep, key: tuple, source: torch.Tensor) -> PagedRoute:
     """The step's decode route for one layer shape: the backend asked for (or chosen), else the next of its chain
-    that accepts the step, with one warning per kind of refusal."""
+    that accepts the step (`plan.first_accepting`, which reports each kind of refusal once). trtllm-gen and cute-dsl
+    read pages of 32 or 64 rows, not wired here: on Blackwell the chain tries fa2 before the reference."""
     device, dtype, heads, rank, rope, scale, requested = key
     layer = Layer(device, dtype, dtype, heads, rank, rope, 0, False, scale)
     backend = capabilities.choose_backend(device, dtype, rank, rope, heads, requested)
@@ -346,15 +352,7 @@ def _route(step: PagedStep, key: tuple, source: torch.Tensor) -> PagedRoute:
     if backend in ("trtllm-gen", "cute-dsl") and not capabilities.unavailable_reason("fa2", device, dtype, rank,
                                                                                     rope, heads):
         chain.insert(1, "fa2")
-    for candidate in chain:
-        try:
-            return PagedRoute(candidate, layer, _build(candidate, step, layer, source))
-        except Refused as exc:
-            logger.warning_once(
-                f"flashinfer_mla: {candidate} declines continuous-batching decode steps at {heads} heads "
-                f"({str(exc).split(':')[0]}); those steps run on the next backend of {chain}."
-            )
-    raise AssertionError("the reference backend never refuses")  # pragma: no cover
+    return PagedRoute(first_accepting(chain, layer, lambda candidate, spec: _build(candidate, step, spec, source), 1))
 
 
 def _build(backend: str, step: PagedStep, layer: Layer, source: torch.Tensor):

@@ -120,20 +120,10 @@ class StepPlan:
             self.routes[key] = ahead[1]
             return ahead[1]
         backend = self._backend(layer, requested, grad)
-        refusals = []
-        for candidate in capabilities.fallbacks(backend, layer.device, layer.dtype, layer.rank, layer.rope,
-                                                layer.heads, layer.kv_dtype == FP8):
-            reads = layer if _reads_in_place(candidate, layer) else dataclasses.replace(
-                layer, kv_dtype=layer.dtype, packed=False)
-            try:
-                meta = FAMILIES[candidate].build(candidate, self, reads)
-            except Refused as exc:
-                refusals.append((candidate, str(exc)))
-                continue
-            route = Route(candidate, reads, meta, None if reads is layer else layer.dtype)
-            break
-        _report(refusals, route, self.q_len, layer)
-        self.routes[key] = route
+        chain = capabilities.fallbacks(backend, layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
+                                       layer.kv_dtype == FP8)
+        route = self.routes[key] = first_accepting(
+            chain, layer, lambda candidate, reads: FAMILIES[candidate].build(candidate, self, reads), self.q_len)
         return route
 
     @staticmethod
@@ -234,6 +224,26 @@ def _reads_in_place(backend: str, layer: Layer) -> bool:
     """Whether `backend` reads the cache as stored: anything but an FP8 latent, which only fa3 reads in place (bf16
     queries); every other backend reads it dequantized."""
     return layer.kv_dtype != FP8 or (backend == "fa3" and layer.dtype == torch.bfloat16)
+
+
+def first_accepting(chain, layer: Layer, build, q_len: int) -> Route:
+    """The `Route` of the first backend of `chain` whose builder accepts the step (``build(backend, layer spec)``
+    returns its metadata or raises `Refused`): the one place where a refusal moves a step down its fallback chain,
+    for generate()'s steps (`StepPlan.route`) and continuous batching's (``paged.py``). Each kind of refusal is
+    reported once."""
+    refusals = []
+    for candidate in chain:
+        reads = layer if _reads_in_place(candidate, layer) else dataclasses.replace(
+            layer, kv_dtype=layer.dtype, packed=False)
+        try:
+            meta = build(candidate, reads)
+        except Refused as exc:
+            refusals.append((candidate, str(exc)))
+            continue
+        route = Route(candidate, reads, meta, None if reads is layer else layer.dtype)
+        _report(refusals, route, q_len, layer)
+        return route
+    raise AssertionError(f"every backend of {chain} refused, the reference included: {refusals}")
 
 
 def _report(refusals: list, route: Route, q_len: int, layer: Layer) -> None:

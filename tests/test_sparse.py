@@ -14,7 +14,6 @@ import torch
 from conftest import (
     DSA_FAMILIES, VOCAB, decode_logits, eager_alone, left_padded_batch, make_model, rel_err, set_attention,
 )
-from transformers import DynamicCache
 
 from hf_flashinfer_mla import attention, masks
 from hf_flashinfer_mla.cache import MLAIndexedLayer

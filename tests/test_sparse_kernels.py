@@ -21,6 +21,16 @@ from hf_flashinfer_mla.kernels import fa
 TOL64 = 1e-6
 
 
+def _matches_eager_per_row(model, steps: int, cache=None) -> None:
+    """Teacher-forced decode of conftest's left-padded batch (7, 4, 12) equals each row alone with eager."""
+    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 12))
+    forced = torch.randint(1, VOCAB, (3, steps), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # (with autograd recording, decode runs the reference: kernels have no backward)
+        ours = decode_logits(model, ids, mask, forced=forced, as_generate=True, cache=cache)
+    for i, ref in enumerate(eager_alone(model, prompts, forced)):
+        assert rel_err(ours[i], ref) < TOL64
+
+
 # The families whose sparse layers the kernel serves: GLM-5-next has no rope (its latent is 512 + 0, no FlashInfer
 # kernel) and passes no indices; HY-V4's sinks are not in FlashInfer's MLA kernels (`test_sinks_decline_the_kernel`).
 KERNEL_FAMILIES = [t for t in DSA_FAMILIES if t not in ("glm5_next", "hy_v4", "hy_v4_vl")]
@@ -29,8 +39,7 @@ KERNEL_FAMILIES = [t for t in DSA_FAMILIES if t not in ("glm5_next", "hy_v4", "h
 @pytest.mark.parametrize("dsa_type", KERNEL_FAMILIES)
 def test_fa3_sparse_decode_matches_eager_per_row(dsa_type, fake_hopper, monkeypatch):
     model = make_model(dsa_type, dtype=torch.float64)
-    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 12))
-    forced = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(2))
+    steps = 6
     runs = []
     real_run = fa.run
 
@@ -39,15 +48,12 @@ def test_fa3_sparse_decode_matches_eager_per_row(dsa_type, fake_hopper, monkeypa
         return real_run(meta, layer, *args, **kwargs)
 
     monkeypatch.setattr(fa, "run", spy)
-    with torch.no_grad():  # (with autograd recording, decode runs the reference: kernels have no backward)
-        ours = decode_logits(model, ids, mask, forced=forced, as_generate=True)
-    for i, ref in enumerate(eager_alone(model, prompts, forced)):
-        assert rel_err(ours[i], ref) < TOL64
+    _matches_eager_per_row(model, steps)
     topk = model.config.get_text_config(decoder=True).index_topk
     assert runs and all(k == topk for k in runs)
     plans = [p for p in fake_hopper.modules["fa3"].plans if not p["causal"]]
     # One sparse plan per step (shared by the step's sparse layers), one request per query token, no causal rule.
-    assert len(plans) == forced.shape[1]
+    assert len(plans) == steps
     for plan in plans:
         assert not plan["causal"] and plan["qo_indptr"].tolist() == list(range(4))
         assert plan["kv_indptr"].tolist() == [n * topk for n in range(4)]
@@ -59,13 +65,7 @@ def test_trtllm_gen_sparse_decode_matches_eager_per_row(dsa_type, topk, fake_bla
     """Blackwell: trtllm-gen's sparse MLA over the packed cache generate() gives it, checked by the stand-in
     against FlashInfer's sparse contract (slots, -1 after each token's valid picks)."""
     model = make_model(dsa_type, dtype=torch.float64, index_topk=topk)
-    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 12))
-    forced = torch.randint(1, VOCAB, (3, 4), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ours = decode_logits(model, ids, mask, forced=forced, as_generate=True,
-                             cache=hf_flashinfer_mla.MLALatentCache(model.config))
-    for i, ref in enumerate(eager_alone(model, prompts, forced)):
-        assert rel_err(ours[i], ref) < TOL64
+    _matches_eager_per_row(model, 4, cache=hf_flashinfer_mla.MLALatentCache(model.config))
     sparse = [c for c in fake_blackwell.calls if c.get("sparse")]
     assert sparse and all(c["sparse"] == model.config.index_topk for c in sparse)
     first = sparse[0]["tables"][:, 0]  # the first step: rows seeing 8, 5 and 13 positions, capped at topk
@@ -73,13 +73,7 @@ def test_trtllm_gen_sparse_decode_matches_eager_per_row(dsa_type, topk, fake_bla
 
 
 def test_sinks_decline_the_kernel_and_decode_on_the_reference(fake_hopper, monkeypatch, caplog):
-    model = make_model("hy_v4", dtype=torch.float64)
-    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 12))
-    forced = torch.randint(1, VOCAB, (3, 3), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ours = decode_logits(model, ids, mask, forced=forced, as_generate=True)
-    for i, ref in enumerate(eager_alone(model, prompts, forced)):
-        assert rel_err(ours[i], ref) < TOL64
+    _matches_eager_per_row(make_model("hy_v4", dtype=torch.float64), 3)
     assert not fake_hopper.modules.get("fa3", None) or not fake_hopper.modules["fa3"].runs
     assert any("attention sinks" in r.getMessage() or "fa3 declines" in r.getMessage() for r in caplog.records)
 
@@ -87,13 +81,7 @@ def test_sinks_decline_the_kernel_and_decode_on_the_reference(fake_hopper, monke
 def test_rows_shorter_than_topk_attend_to_what_they_see(fake_hopper):
     """With index_topk above a row's visible positions, the plan's lengths are the visible counts (the indexer's
     tail picks, hidden positions, are never read) and the result is eager's."""
-    model = make_model("deepseek_v32", dtype=torch.float64, index_topk=11)
-    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 12))
-    forced = torch.randint(1, VOCAB, (3, 3), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ours = decode_logits(model, ids, mask, forced=forced, as_generate=True)
-    for i, ref in enumerate(eager_alone(model, prompts, forced)):
-        assert rel_err(ours[i], ref) < TOL64
+    _matches_eager_per_row(make_model("deepseek_v32", dtype=torch.float64, index_topk=11), 3)
     first = fake_hopper.modules["fa3"].plans[0]
     assert first["kv_len"].tolist() == [8, 5, 11]  # 7, 4, 12 prompt tokens + the first forced token, capped at 11
 

@@ -18,6 +18,7 @@ from hf_flashinfer_mla import capabilities
 from hf_flashinfer_mla.kernels import fa, reference
 from hf_flashinfer_mla.plan import StepPlan, decode_latent
 from hf_flashinfer_mla.rows import Rows
+from test_gpu_backends import _teacher_forced as backends_teacher_forced
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -96,29 +97,9 @@ def _v32_model():
                                                          dtype=torch.bfloat16).to(DEV).eval()
 
 
-@torch.no_grad()
 def _teacher_forced(model, **kwargs):
-    g = torch.Generator().manual_seed(1)
-    lengths = (37, 20, 64, 5)
-    w = max(lengths)
-    ids = torch.zeros(len(lengths), w, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, w - n:] = torch.randint(1, 4096, (n,), generator=g)
-        mask[i, w - n:] = 1
-    forced = torch.randint(1, 4096, (len(lengths), 64), generator=g).to(DEV)
-    ids, mask = ids.to(DEV), mask.to(DEV)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=model.config),
-                use_cache=True)
-    logits = []
-    for t in range(forced.shape[1]):
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
-        pos = pos[:, -1:] + 1
-        out = model(input_ids=forced[:, t:t + 1], attention_mask=mask, position_ids=pos, cache=out.cache,
-                    use_cache=True, **kwargs)
-        logits.append(out.logits[:, -1].float())
-    return torch.stack(logits, 1)
+    """tests/gpu/test_gpu_backends.py's 64 teacher-forced steps over its left-padded batch (37, 20, 64, 5)."""
+    return backends_teacher_forced(model, DynamicCache(config=model.config), **kwargs)
 
 
 def _compare(ours, oracle):
