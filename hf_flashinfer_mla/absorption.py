@@ -7,9 +7,11 @@ output back with W_UV.
 
 Where the dense matrix comes from:
 
-* A plain ``nn.Linear`` (bf16/fp16/fp32 checkpoints): W_UK and W_UV are *views of the live weight*, sliced on every
-  call (free). Nothing is cached, so they are never stale, gradients reach ``kv_b_proj.weight`` exactly as with
-  sdpa, and ``.to()``/``deepcopy``/``save_pretrained`` see only the model's own tensors. Under tensor parallelism
+* A plain ``nn.Linear`` (bf16/fp16/fp32 checkpoints): W_UK and W_UV are *views of the live weight*, so they are
+  never stale (a view reads the weight's current values), gradients reach ``kv_b_proj.weight`` exactly as with
+  sdpa, and ``.to()``/``deepcopy``/``save_pretrained`` see only the model's own tensors. Slicing them costs about as
+  much host time as a kernel launch, so outside autograd the views of each layer are kept in `_views` (weakly, off
+  the module) until its weight is another tensor or lives in other memory. Under tensor parallelism
   the weight is a DTensor; its local shard (this rank's heads) is used.
 * Any other module (FP8, bitsandbytes, GPTQ/AWQ, compressed-tensors, a custom linear, a PEFT adapter): the dense
   matrix is derived once, in the activation dtype, with the quantizer's own dequantize function where there is one
@@ -25,6 +27,7 @@ Where the dense matrix comes from:
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,6 +36,11 @@ import transformers.utils.logging  # noqa: F401  (adds `info_once` to loggers)
 from torch import nn
 
 logger = logging.getLogger("hf_flashinfer_mla")
+
+# A documented cache: each attention module's W_UK/W_UV views of its plain kv_b_proj weight, for inference, keyed by
+# what the views depend on (the weight object, its storage and shape; a view follows the weight's values). Weak, and
+# kept off the module, so an entry dies with its module and deepcopy or a state dict never sees it.
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _DENSE = "_flashinfer_mla_dense"  # buffer name on kv_b_proj: [rows, rank] (+1 row: the bias) in the activation dtype
 
@@ -61,7 +69,14 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights |
     """
     proj = module.kv_b_proj
     if _is_plain_linear(proj):
-        return _split(module, _local(proj.weight), _local(proj.bias))
+        weight, bias = _local(proj.weight), _local(proj.bias)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():  # (autograd: each forward's graph gets its
+            return _split(module, weight, bias)                      # own views; a compiled graph holds its own)
+        key = (id(proj.weight), weight.data_ptr(), weight.shape, None if bias is None else (id(bias), bias.data_ptr()))
+        hit = _views.get(module)
+        if hit is None or hit[0] != key:
+            hit = _views[module] = (key, _split(module, weight, bias))
+        return hit[1]
     if torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters()):
         return None  # a derived copy would carry no gradient to the module's own parameters
     dense = _dense_copy(proj, module.kv_lora_rank, dtype)

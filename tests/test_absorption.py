@@ -120,7 +120,16 @@ def test_nothing_outlives_to_and_weights_never_go_stale():
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
     assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
+    # A new weight object, then a dtype change (new storage): the views kept for inference are of the live weight.
+    for m in _attention_modules(model):
+        m.kv_b_proj.weight = nn.Parameter(m.kv_b_proj.weight.detach().flip(0).clone())
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
     model.to(torch.float32)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-5)
     model.to("meta")
     assert all(t.device.type == "meta" for t in model.state_dict().values())
     assert _extra_tensors(model) == []

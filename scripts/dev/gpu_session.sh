@@ -7,6 +7,8 @@
 #                                           # (eager, sdpa, flashinfer_mla; batch 1/8/32 x 8k-128k, then 160k at 32)
 #   bash scripts/dev/gpu_session.sh serving # tests/gpu/test_gpu_continuous_batching.py, the serving benchmark
 #                                           # (DeepSeek-V2-Lite, 256 requests), one CUDA-graph cell of the V3.2 shape
+#   bash scripts/dev/gpu_session.sh hostab  # host time per layer, this package against ab_old/ (two rounds, alternated),
+#                                           # then the serving benchmark again
 #   bash scripts/dev/gpu_session.sh bench   # host time per layer, this package against the revision unpacked in
 #                                           # ab_old/ (git archive REV hf_flashinfer_mla scripts); the V3-shape grid
 #                                           # (eager mode); the CUDA-graph target cell; DeepSeek-V2-Lite static-cache
@@ -41,6 +43,16 @@ case "$1" in
     run 100 sparse_graphs.txt python3 bench_decode.py --graphs --model deepseek-v32-attn --batch 1 32 --context 32768 \
         --attn flashinfer_mla --steps 5 --no-floor --time-limit 60 --out "$O" --name decode_v32_graphs.json
     for f in serving sparse_graphs; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -25; done ;;
+  hostab)
+    for v in old new old2 new2; do
+      if [ ${v%2} = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
+      PYTHONPATH=$pp run 60 host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
+        --attn flashinfer_mla --steps 10 --out "$O" --name host_${v}.json
+      echo "== $v" >> "$O/host_ab.txt"
+    done
+    cd "$ROOT/scripts"
+    run 300 serving.txt python3 bench_serving.py --model deepseek-v2-lite --no-progress --out "$O"
+    for f in host_ab serving; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -40; done ;;
   bench)
     for v in old new; do
       if [ $v = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
