@@ -59,11 +59,11 @@ def _fa_launches(monkeypatch, factor=1.0):
     seen = []
     real = fa.run
 
-    def run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None):
+    def run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, *rest):
         seen.append(kv_scales)
         if kv_scales is not None:
             kv_scales = tuple(factor * s for s in kv_scales)
-        return real(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales)
+        return real(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales, *rest)
 
     monkeypatch.setattr(fa, "run", run)
     return seen
