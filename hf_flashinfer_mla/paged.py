@@ -15,9 +15,12 @@ head_dim)``, per-head keys and values. An MLA layer writes one latent row per to
   waits for the GPU), and what the step's layers share: the page table, and each kernel's metadata (built by the
   first layer that needs it, run by every layer).
 * `attend`: one layer's attention over the pages. Decode tokens (one query token per request) run absorbed straight
-  over the latent rows with the read indices as the page table (FlashInfer's fa3/fa2 with pages of one row, or the
-  reference backend). Prefill chunks, which continuous batching mixes with decodes in one batch, are expanded per
-  request through the model's own ``expand_kv`` and attended causally with Transformers' SDPA.
+  over the latent rows: FlashInfer's fa3/fa2 with the read indices as the page table (pages of one row),
+  trtllm-gen/cute-dsl on Blackwell with block tables of 64 (or 32) rows gathered from them (the latent rows are
+  packed, and Transformers' pages of a multiple of 32 rows hold whole pages), or the reference backend. Prefill
+  chunks, which continuous batching mixes with decodes in one batch, are expanded through the model's own
+  ``expand_kv`` and attended causally: on FlashInfer's ragged prefill, one launch per group of requests, where the
+  decode runs on fa3 (``kernels/ragged.py``), else with Transformers' SDPA one request at a time.
 
 CUDA graphs are switched off for these models (`disable_graphs`): a replayed graph runs no Python, and the kernels
 here are planned on the host from each step's lengths.
@@ -38,7 +41,7 @@ from transformers.utils import logging
 from . import capabilities
 from .absorption import absorb_query, absorbed_weights, project_output, rope_rows
 from .errors import UnsupportedModelError
-from .kernels import Layer, Refused, fa, reference
+from .kernels import Layer, Refused, fa, ragged, reference, trtllm
 from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, original_expand_kv
 from .plan import Route, first_accepting
 from .rows import Rows, to_device
@@ -46,7 +49,6 @@ from .rows import Rows, to_device
 logger = logging.get_logger("hf_flashinfer_mla")
 
 _ALLOCATOR_ATTR = "_flashinfer_mla_paged"  # on the paged cache's root tensor: the `LatentAllocator` that owns it
-KERNEL_BACKENDS = ("fa3", "fa2")  # the kernels that read pages of one row through an index table
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -87,6 +89,7 @@ class LatentAllocator(FullAttentionCacheAllocator):
         self.rank, self.rope = config.kv_lora_rank, config.qk_rope_head_dim
         self.row_width = 2 * self.head_dim  # the sizing view's head_dim: rank + rope, rounded up to even
         self.step: PagedStep | None = None  # the step being prepared or run (`prepare_step`)
+        self.prefill_wrappers = ragged.Wrappers()  # FlashInfer's ragged prefill, planned per step
 
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
         """Rows ``[total_rows, rank + rope]``; layer ``i``'s page of block ``b`` is rows ``b * tokens_per_block +
@@ -211,6 +214,7 @@ class PagedStep:
     routes: dict = field(default_factory=dict)
     _tables: dict = field(default_factory=dict)
     started: bool = False  # a forward has run on it
+    page_rows: int = 0  # rows per page of a cache storing the latent packed (trtllm-gen reads those); 0: not packed
 
     def __post_init__(self):
         self.cu_q = torch.zeros(self.batch + 1, dtype=torch.long)
@@ -270,11 +274,14 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
     first = module.layer_idx == allocator.layer_indices[0]
     if step is None or (first and step.started) or not step.matches(query.shape[2], cu_q):
         step = allocator.step = PagedStep.from_kwargs(cu_q, kwargs["cu_seq_lens_k"], query.shape[2])
+    if not step.started and allocator.row_width == allocator.rank + allocator.rope:
+        step.page_rows = allocator.tokens_per_page
     step.started = True
     read_index = kwargs["read_index"][allocator.index]
     # A step with no cached past reads nothing back: its rows are the ones it writes, in the same order.
     source = read_index if read_index.numel() else kwargs["write_index"][allocator.index]
     scale = scaling if scaling is not None else module.qk_head_dim**-0.5
+    requested = capabilities.requested_backend(mla_backend, module.config)
     h, t = query.shape[1], query.shape[2]
     out = query.new_zeros(1, t, h, module.v_head_dim)
     weights = absorbed_weights(module, query.dtype) if len(step.decode) else None
@@ -285,8 +292,7 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
         q = query if all_decode else query[:, :, to_device(tokens, query.device)]
         q_nope, q_pe = q.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
         q_lat, q_pe = absorb_query(q_nope, weights), rope_rows(q_pe)
-        key = (q_lat.device, q_lat.dtype, h, kv_latent.shape[-1], k_rot.shape[-1], scale,
-               capabilities.requested_backend(mla_backend, module.config))
+        key = (q_lat.device, q_lat.dtype, h, kv_latent.shape[-1], k_rot.shape[-1], scale, requested)
         route = step.routes.get(key)
         if route is None:
             route = step.routes[key] = _route(step, key, source)
@@ -294,19 +300,34 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
         if all_decode:
             return o, None
         out.index_copy_(1, to_device(tokens, out.device), o)
-    _prefill(step, decode, module, query, kv_latent, k_rot, source, scale, out)
+    _prefill(allocator, step, decode, module, query, kv_latent, k_rot, source, scale, requested, out)
     return out, None
 
 
-def _prefill(step: PagedStep, decoded, module, query, kv_latent, k_rot, source, scale, out) -> None:
-    """Every request not decoded absorbed: its rows expanded through the model's own ``expand_kv`` (one request at
-    a time, so the transient keys and values are one request's), and attended causally with Transformers' SDPA."""
+def _prefill(allocator: LatentAllocator, step: PagedStep, decoded, module, query, kv_latent, k_rot, source, scale,
+             requested, out) -> None:
+    """Every request not decoded absorbed: its rows expanded through the model's own ``expand_kv`` and attended
+    causally, on FlashInfer's ragged prefill (``kernels/ragged.py``: one launch per group of requests) where the
+    step's decode backend is fa3 and it serves the head dims, else with Transformers' SDPA one request at a time
+    (so the transient keys and values are one request's)."""
     done = set(decoded.tolist())
+    pending = [r for r in range(step.batch) if r not in done]
+    if not pending:
+        return
     lat_rows, rot_rows = kv_latent[0, 0], k_rot[0, 0]
     expand = original_expand_kv(module)
-    for r in range(step.batch):
-        if r in done:
-            continue
+    key = ("prefill", query.device, query.dtype, query.shape[1], query.shape[-1], module.v_head_dim, scale, requested)
+    if key not in step.routes:
+        step.routes[key] = _prefill_groups(allocator, step, pending, module, query, scale, requested)
+    for group in step.routes[key]:
+        rows = source[group.kv_index]
+        keys, values = expand(lat_rows.index_select(0, rows)[None, None], rot_rows.index_select(0, rows)[None, None])
+        q = query[0].index_select(1, group.q_index).transpose(0, 1)  # [N, H, qk]
+        o = ragged.run(group.wrapper, q, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+        out[0].index_copy_(0, group.q_index, o)
+    if step.routes[key]:
+        return
+    for r in pending:
         q0, q, k0, k = (int(x) for x in (step.cu_q[r], step.q_lens[r], step.kv_offsets[r], step.k_lens[r]))
         rows = source[k0 : k0 + k]
         keys, values = expand(lat_rows.index_select(0, rows)[None, None], rot_rows.index_select(0, rows)[None, None])
@@ -317,6 +338,29 @@ def _prefill(step: PagedStep, decoded, module, query, kv_latent, k_rot, source, 
         o, _ = sdpa_attention_forward(module, query[:, :, q0 : q0 + q], keys, values, mask, dropout=0.0,
                                       scaling=scale, is_causal=True)
         out[:, q0 : q0 + q] = o
+
+
+def _prefill_groups(allocator, step: PagedStep, pending: list[int], module, query, scale, requested) -> list:
+    """The step's ragged-prefill groups, planned (empty: the step's prefill runs on SDPA). fa3 prefills where the
+    step's decode backend is fa3, so a request for the reference backend keeps the whole step in PyTorch."""
+    device, dtype, heads, qk = query.device, query.dtype, query.shape[1], query.shape[-1]
+    vo = module.v_head_dim
+    decode_backend = capabilities.choose_backend(device, dtype, module.kv_lora_rank, module.qk_rope_head_dim, heads,
+                                                 requested)
+    if decode_backend != "fa3" or not ragged.supported_dims(qk, vo):
+        return []
+    row_bytes = heads * (qk + vo + module.qk_nope_head_dim + vo) * query.element_size()
+    groups = ragged.groups(step.q_lens, step.k_lens, step.cu_q, step.kv_offsets, pending, row_bytes, device)
+    try:
+        for i, group in enumerate(groups):
+            group.wrapper = allocator.prefill_wrappers.get(device, i)
+            ragged.plan(group.wrapper, step.q_lens[group.requests], step.k_lens[group.requests], heads, qk, vo,
+                        scale, dtype)
+    except Refused as exc:
+        logger.warning_once(f"flashinfer_mla: continuous batching's prefill chunks run on SDPA, one request at a "
+                            f"time ({str(exc)[:200]})")
+        return []
+    return groups
 
 
 @dataclass(eq=False)
@@ -343,10 +387,10 @@ class PagedRoute:
 
 def _route(step: PagedStep, key: tuple, source: torch.Tensor) -> PagedRoute:
     """The step's decode route for one layer shape: the backend asked for (or chosen), else the next of its chain
-    that accepts the step (`plan.first_accepting`, which reports each kind of refusal once). trtllm-gen and cute-dsl
-    read pages of 32 or 64 rows, not wired here: on Blackwell the chain tries fa2 before the reference."""
+    that accepts the step (`plan.first_accepting`, which reports each kind of refusal once). On Blackwell the chain
+    tries fa2 after trtllm-gen or cute-dsl (which need pages of 32 or 64 rows), before the reference."""
     device, dtype, heads, rank, rope, scale, requested = key
-    layer = Layer(device, dtype, dtype, heads, rank, rope, 0, False, scale)
+    layer = Layer(device, dtype, dtype, heads, rank, rope, 0, step.page_rows > 0, scale)
     backend = capabilities.choose_backend(device, dtype, rank, rope, heads, requested)
     chain = list(capabilities.fallbacks(backend, device, dtype, rank, rope, heads, False))
     if backend in ("trtllm-gen", "cute-dsl") and not capabilities.unavailable_reason("fa2", device, dtype, rank,
@@ -356,7 +400,8 @@ def _route(step: PagedStep, key: tuple, source: torch.Tensor) -> PagedRoute:
 
 
 def _build(backend: str, step: PagedStep, layer: Layer, source: torch.Tensor):
-    """The decode tokens' metadata for `backend`: pages of one row, addressed through the step's read indices."""
+    """The decode tokens' metadata for `backend`: pages of one row addressed through the step's read indices (fa3,
+    fa2), pages of 32 or 64 rows (trtllm-gen, cute-dsl), or the rows gathered (reference)."""
     decode = step.decode
     lens, offsets = step.k_lens[decode], step.kv_offsets[decode]
     if backend == "reference":  # each decode request's rows gathered into a padded batch, and its mask
@@ -366,8 +411,8 @@ def _build(backend: str, step: PagedStep, layer: Layer, source: torch.Tensor):
         index = torch.where(mask, offsets[:, None] + positions, offsets[:, None])
         table = step.page_table(source, torch.long)
         return table[to_device(index, layer.device)], to_device(mask[:, None, None], layer.device)
-    if backend not in KERNEL_BACKENDS:
-        raise Refused(f"{backend} reads pages of 32 or 64 rows: not wired for continuous batching yet")
+    if backend in ("trtllm-gen", "cute-dsl"):
+        return trtllm.paged(backend, layer, lens, offsets, step.page_table(source, torch.long), step.page_rows)
     table = step.page_table(source, torch.int32)
     rows = Rows(lens.to(torch.int32), 1, torch.zeros_like(lens))
     if fa.uses_generated_module():

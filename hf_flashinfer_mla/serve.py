@@ -8,7 +8,9 @@ Two additions, both for MLA checkpoints:
 
 * ``--attn-implementation`` defaults to ``flashinfer_mla`` (any other value is passed through unchanged);
 * with ``--continuous-batching``, a model continuous batching cannot serve (see ``paged.refuse_unservable``) fails
-  when it is loaded (at server start for a model named on the command line), not at its first request.
+  when it is loaded (at server start for a model named on the command line), not at its first request;
+* a chat completion without a list of ``messages`` gets a 422 naming the field: Transformers 5.24's handler reads
+  ``body["messages"]`` unchecked and answers a 500 (a KeyError).
 
     python -m hf_flashinfer_mla.serve /path/to/DeepSeek-V2-Lite-Chat --continuous-batching --dtype bfloat16
 """
@@ -50,6 +52,26 @@ def _model_manager_class():
     return MLAModelManager
 
 
+def _require_messages() -> None:
+    """Chat completions without a non-empty ``messages`` list get a 422 (Transformers' own check covers unknown
+    fields only; its handler then raises a KeyError, a 500)."""
+    from fastapi import HTTPException
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+
+    original = ChatCompletionHandler._validate_request
+    if getattr(original, "_flashinfer_mla", False):
+        return
+
+    def validate(self, body: dict) -> None:
+        original(self, body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HTTPException(status_code=422, detail="`messages` must be a non-empty list of chat messages")
+
+    validate._flashinfer_mla = True
+    ChatCompletionHandler._validate_request = validate
+
+
 def main(argv: list[str] | None = None) -> None:
     import transformers.cli.serving.model_manager as model_manager
 
@@ -58,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         argv += ["--attn-implementation", ATTN_NAME]
     # `Serve` imports ModelManager from this module when it starts: it gets the subclass.
     model_manager.ModelManager = _model_manager_class()
+    _require_messages()
     from transformers.cli.transformers import app
 
     app(args=["serve", *argv], prog_name="python -m hf_flashinfer_mla.serve")

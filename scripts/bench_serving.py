@@ -7,6 +7,9 @@ Random weights (nothing is downloaded). `--requests` prompts of random lengths i
                            latent cache of hf_flashinfer_mla.paged), every request added at t0
   generate-flashinfer_mla  generate() on left-padded static batches of --static-batch requests, one after the other
   generate-sdpa            the same with attn_implementation="sdpa"
+  cb-flashinfer_mla-sdpa-prefill
+                           (not run by default) cb-flashinfer_mla with its prefill chunks on SDPA, one request at a
+                           time, instead of FlashInfer's ragged prefill: the A/B of ``kernels/ragged.py``
 
 Reported per mode: total output tokens/s (all new tokens / wall time from t0), time to first token and inter-token
 latency (p50, p99; a static batch's requests wait for the batches before them), peak GPU memory.
@@ -29,6 +32,7 @@ import torch
 import bench_common as bc
 
 MODES = ("cb-flashinfer_mla", "generate-flashinfer_mla", "generate-sdpa")
+AB_MODES = ("cb-flashinfer_mla-sdpa-prefill",)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -50,7 +54,22 @@ def progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr)
 
 
-def run_cb(model, prompts, args, device) -> dict:
+def run_cb(model, prompts, args, device, sdpa_prefill=False) -> dict:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from hf_flashinfer_mla.kernels import ragged
+
+    # The A/B switch: with no head dims "supported", paged.py prefills every chunk on SDPA (its fallback).
+    supported = ragged.supported_dims
+    if sdpa_prefill:
+        ragged.supported_dims = lambda qk, vo: False
+    try:
+        return _run_cb(model, prompts, args, device)
+    finally:
+        ragged.supported_dims = supported
+
+
+def _run_cb(model, prompts, args, device) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model.set_attn_implementation("flashinfer_mla")
@@ -64,7 +83,7 @@ def run_cb(model, prompts, args, device) -> dict:
         t0 = time.perf_counter()
         ids = [manager.add_request(p, max_new_tokens=args.new, record_timestamps=True) for p in prompts]
         pending = set(ids)
-        with progress(len(ids), "cb-flashinfer_mla", args.progress) as bar:
+        with progress(len(ids), "continuous batching", args.progress) as bar:
             while pending:
                 out = manager.get_result(timeout=1)
                 if out is None:
@@ -137,7 +156,10 @@ def run(mode, model, prompts, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         kind, attn = mode.split("-", 1)
-        got = run_cb(model, prompts, args, device) if kind == "cb" else run_static(model, attn, prompts, args, device)
+        if kind == "cb":
+            got = run_cb(model, prompts, args, device, sdpa_prefill=attn.endswith("-sdpa-prefill"))
+        else:
+            got = run_static(model, attn, prompts, args, device)
         rec.update(
             wall_s=got["wall_s"], output_tokens=got["tokens"], tokens_per_s=got["tokens"] / got["wall_s"],
             ttft_p50_s=percentile(got["ttft"], 50), ttft_p99_s=percentile(got["ttft"], 99),
@@ -164,7 +186,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-max", type=int, default=4096)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--static-batch", type=int, default=32)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + AB_MODES)
     p.add_argument("--cb-page-size", type=int, default=256)
     p.add_argument("--cb-max-batch-tokens", type=int, default=None, help="default: Transformers' (8192)")
     p.add_argument("--cb-memory", type=float, default=None, help="max_memory_percent (default: Transformers')")

@@ -3,8 +3,9 @@
 `FakeMLAModule` has the call signatures of FlashInfer 0.7.4's module (``csrc/batch_mla_binding.cu``, as
 ``_fa_common._plan_generated_fa`` / ``_run_generated_fa`` call it), asserts what it receives, stages the planned
 rows into the integer workspace it was given (as the native scheduler does) and reads them back from the workspace
-it is run with, then computes exactly what the kernel computes, causal rule included. `fake_hopper` makes the
-package believe it runs on an SM90 GPU with that module, in float64 on the CPU, so whole models can be checked
+it is run with, then computes exactly what the kernel computes, causal rule included. `FakeRaggedPrefill` stands in for the ragged prefill wrapper of
+continuous batching's prefill chunks (``kernels/ragged.py``) the same way. `fake_hopper` makes the
+package believe it runs on an SM90 GPU with those, in float64 on the CPU, so whole models can be checked
 against ``eager`` to rounding.
 """
 
@@ -21,7 +22,7 @@ import torch
 from flashinfer.mla._batch_mla._backends import _capabilities, _fa_common
 
 from hf_flashinfer_mla import buffers, capabilities
-from hf_flashinfer_mla.kernels import fa, graphs
+from hf_flashinfer_mla.kernels import fa, graphs, ragged
 
 PLAN_INFO_LEN = 18  # MLAPlanInfo::ToVector
 
@@ -90,6 +91,47 @@ class FakeMLAModule:
             out[q0:q1] = torch.einsum("qhk,kl->qhl", torch.softmax(scores, -1).nan_to_num(0.0), lat)
 
 
+class FakeRaggedPrefill:
+    """FlashInfer 0.7.4's ``BatchPrefillWithRaggedKVCacheWrapper`` as ``kernels/ragged.py`` calls it: plan on host
+    indptrs (int32, the query tokens' and the key rows' offsets of each request), run on packed ``q [N, H, qk]``,
+    ``k [M, H, qk]``, ``v [M, H, vo]`` with any row and head strides, causal bottom-right aligned (query ``i`` of a
+    request with ``q`` tokens over ``k`` rows sees rows ``0 .. k - q + i``), as the fa3 kernel computes it."""
+
+    instances: list = []
+
+    def __init__(self, float_workspace, kv_layout="NHD", backend="auto"):
+        assert float_workspace.dtype == torch.uint8 and kv_layout == "NHD" and backend == "fa3"
+        self.plans: list[dict] = []
+        self.runs = 0
+        FakeRaggedPrefill.instances.append(self)
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, causal=False,
+             sm_scale=None, q_data_type=None, kv_data_type=None, o_data_type=None):
+        for t in (qo_indptr, kv_indptr):
+            assert t.device.type == "cpu" and t.dtype == torch.int32  # host lengths: no sync
+        assert num_qo_heads == num_kv_heads and causal is True and isinstance(sm_scale, float)
+        assert bool((qo_indptr.diff() <= kv_indptr.diff()).all())  # a chunk sees at least itself
+        self.plans.append(dict(qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), heads=num_qo_heads,
+                               dims=(head_dim_qk, head_dim_vo), scale=sm_scale, dtype=q_data_type))
+
+    def run(self, q, k, v):
+        self.runs += 1
+        plan = self.plans[-1]
+        qo, kv = plan["qo_indptr"].tolist(), plan["kv_indptr"].tolist()
+        assert q.shape == (qo[-1], plan["heads"], plan["dims"][0]) and k.shape[:2] == v.shape[:2] == (kv[-1],
+                                                                                                 plan["heads"])
+        assert k.shape[-1] == plan["dims"][0] and v.shape[-1] == plan["dims"][1]
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.dtype == k.dtype == v.dtype == plan["dtype"]
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for q0, q1, k0, k1 in zip(qo, qo[1:], kv, kv[1:]):
+            scores = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * plan["scale"]
+            n, m = q1 - q0, k1 - k0
+            hidden = torch.arange(m)[None, :] > (m - n) + torch.arange(n)[:, None]
+            scores = scores.masked_fill(hidden, float("-inf"))
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v[k0:k1])
+        return out
+
+
 def _called_from(function: str) -> bool:
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != function:
@@ -144,5 +186,9 @@ def fake_hopper(monkeypatch):
     monkeypatch.setattr(_fa_common, "get_device_sm_count", lambda device: 132)
     monkeypatch.setattr(_fa_common, "_get_fa_shared_memory_limits", lambda device: (233472, 232448))
     monkeypatch.delenv(fa.PLANNER_ENV, raising=False)
+    monkeypatch.setattr(ragged, "wrapper_class", lambda: FakeRaggedPrefill)
+    monkeypatch.setattr(ragged, "supported_dims", lambda qk, vo: True)  # the test models' small head dims
+    monkeypatch.setattr(FakeRaggedPrefill, "instances", [])
+    surface.ragged = FakeRaggedPrefill.instances
     transformers.utils.logging.warning_once.cache_clear()
     return surface

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import ContinuousBatchingConfig
 
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from conftest import make_model
@@ -26,6 +27,61 @@ def test_generate_batch_on_the_kernel_matches_eager(fake_hopper, monkeypatch, ba
     assert module.plans and module.runs == layers * len(module.plans)  # planned once per step, run per layer
     assert not any(p["causal"] for p in module.plans)  # one query token per request
     assert any(p["kv_len"].numel() > 1 for p in module.plans)
+    prefill = [w for w in fake_hopper.ragged if w.plans]
+    if backend == "fa3":  # prefill chunks on the ragged prefill: planned once per step, run by every layer
+        assert prefill and all(w.runs == layers * len(w.plans) for w in prefill)
+        assert any((p["kv_indptr"].diff() > p["qo_indptr"].diff()).any() for w in prefill for p in w.plans)
+    else:  # fa2 steps prefill on SDPA
+        assert not prefill
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_prefill_chunks_on_ragged_prefill_match_eager(fake_hopper, monkeypatch, grouped):
+    """Prefill chunks after a cached past, on the ragged prefill in one launch per step, or (`grouped`: a budget of
+    a few rows) in several groups, each planned on its own wrapper: the tokens of eager generate() per request."""
+    from hf_flashinfer_mla.kernels import ragged
+
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "fa3")
+    if grouped:
+        monkeypatch.setattr(ragged, "EXPANDED_BYTES", 1)  # every request a group of its own
+    model = make_model("deepseek_v3")
+    batch = prompts()
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    plans = [p for w in fake_hopper.ragged for p in w.plans]
+    assert any((p["kv_indptr"].diff() > p["qo_indptr"].diff()).any() for p in plans)  # a chunk after its past
+    per_launch = [p["qo_indptr"].numel() - 1 for p in plans]
+    if grouped:  # one request per launch, and a wrapper per group of a step, kept by the cache
+        assert set(per_launch) == {1} and len(fake_hopper.ragged) >= 2
+    else:  # a step's prefill requests in one launch
+        assert max(per_launch) >= 2 and len(fake_hopper.ragged) == 1
+
+
+def test_ragged_prefill_control_misaligned_causal_fails(fake_hopper, monkeypatch):
+    """Control: a ragged prefill that aligns its causal mask top-left (a chunk after a past would not see its own
+    rows) changes the tokens; the fault is shown to have been reached on a chunk that has a past."""
+    from fake_flashinfer import FakeRaggedPrefill
+
+    reached = []
+
+    def misaligned(self, q, k, v):
+        plan = self.plans[-1]
+        qo, kv = plan["qo_indptr"].tolist(), plan["kv_indptr"].tolist()
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for q0, q1, k0, k1 in zip(qo, qo[1:], kv, kv[1:]):
+            scores = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * plan["scale"]
+            scores = scores.masked_fill(torch.arange(k1 - k0)[None, :] > torch.arange(q1 - q0)[:, None], -torch.inf)
+            reached.append(k1 - k0 > q1 - q0)
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v[k0:k1])
+        return out
+
+    monkeypatch.setattr(FakeRaggedPrefill, "run", misaligned)
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "fa3")
+    model = make_model("deepseek_v3")
+    batch = prompts()
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert any(reached)
+    assert [o.generated_tokens for o in out.values()] != eager_tokens(model, batch)
 
 
 def test_mixed_step_kernel_against_reference(fake_hopper):
@@ -54,3 +110,42 @@ def test_mixed_step_kernel_against_reference(fake_hopper):
     torch.testing.assert_close(outs["fa3"], outs["reference"], rtol=1e-10, atol=1e-10)
     plan = fake_hopper.modules["fa3"].plans[-1]
     assert plan["kv_len"].tolist() == [9, 13] and plan["kv_indptr"][:2].tolist() == [0, 16]
+
+
+def _long_prompts():
+    """Prompts of 40 to 150 tokens: several of trtllm-gen's 32-row pages each, and chunked prefills at 64 tokens."""
+    return prompts(lengths=(70, 41, 150, 96, 33), seed=5)
+
+
+@pytest.mark.parametrize("page_size", [32, 64, 128])
+def test_generate_batch_on_trtllm_gen_matches_eager(monkeypatch, page_size):
+    """Blackwell (the trtllm-gen stand-in of ``test_trtllm.py``): decode tokens read Transformers' pages through
+    block tables of 64 (or 32) rows gathered from the read indices, with the device's counter buffer; the tokens of
+    eager generate() per request."""
+    from test_trtllm import blackwell
+
+    kernel = blackwell(monkeypatch)
+    model = make_model("deepseek_v3")
+    batch = _long_prompts()
+    cb = ContinuousBatchingConfig(page_size=page_size, num_blocks=2048 // page_size, max_batch_tokens=64,
+                                  max_requests_per_batch=4)
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=cb)
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    calls = [c for c in kernel.calls if c["backend"] == "auto"]
+    assert calls and all(c["counter"] is calls[0]["counter"] for c in calls)  # one zero-once buffer
+    page = 32 if page_size == 32 else 64
+    assert all(c["pages"] * page >= 2048 for c in calls)  # kv_cache: the layer's rows in pages of `page` rows
+    assert any(c["batch"] > 1 for c in calls) and any(int(c["seq_lens"].max()) > page for c in calls)
+
+
+def test_trtllm_gen_declines_pages_it_cannot_read(monkeypatch):
+    """Pages of 4 tokens hold no 32-row page: the decode runs on the reference (fa2 is not available on the
+    stand-in), with tokens still equal to eager, and trtllm-gen never launched."""
+    from test_trtllm import blackwell
+
+    kernel = blackwell(monkeypatch)
+    model = make_model("deepseek_v3")
+    batch = prompts()
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    assert not kernel.calls

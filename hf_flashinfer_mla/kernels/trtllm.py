@@ -18,6 +18,9 @@ query token's selected cache slots (``b * pitch + indices``: token ``j`` of sequ
 the packed pages), ``-1`` past the ``min(topk, visible)`` positions it may attend to, as FlashInfer's sparse tests
 build them; the per-step part (offsets and that validity) is built once, each layer adds its indices.
 
+Continuous batching's paged latent cache is read the same way (`paged`): its rows are packed, and Transformers'
+pages of 32 or 64 rows (or a multiple) give the block tables, gathered from the step's read indices.
+
 This path follows FlashInfer's documented contract but has not run on Blackwell hardware: no such GPU was
 available to the project; a CPU stand-in checks the calls (``tests/test_trtllm.py``).
 """
@@ -50,7 +53,7 @@ def packed_pages(kv_latent: torch.Tensor, k_rot: torch.Tensor, page_size: int = 
         and kv_latent.stride(2) == row
         and k_rot.stride()[2:] == (row, 1)
         and k_rot.data_ptr() == kv_latent.data_ptr() + rank * elem
-        and kv_latent.stride(0) % (row * page_size) == 0
+        and (kv_latent.shape[0] == 1 or kv_latent.stride(0) % (row * page_size) == 0)
         and kv_latent.storage_offset() % (row * page_size) == 0
     )
     if not packed:
@@ -83,6 +86,7 @@ class TrtllmMetadata:
     counter: torch.Tensor | None  # trtllm-gen only
     fixed: bool = False
     sparse: tuple | None = None  # sparse layers: (slot offset [B, Sq, 1], selectable [B, Sq, topk]) on the device
+    page_size: int = PAGE_SIZE  # rows per page of the tables (continuous batching: 32 where its pages hold 32)
 
 
 def _host_tables(rows, layer, pages_per_row: int):
@@ -134,6 +138,28 @@ def _sparse(backend: str, rows, layer, into) -> TrtllmMetadata:
                           sparse=(to_device(offsets.contiguous(), layer.device), to_device(selectable, layer.device)))
 
 
+def paged(backend: str, layer, lens: torch.Tensor, offsets: torch.Tensor, page_table: torch.Tensor,
+          tokens_per_page: int) -> TrtllmMetadata:
+    """Continuous batching's decode requests over Transformers' paged latent cache (``paged.py``): request ``r``'s
+    rows are ``page_table[offsets[r] : offsets[r] + lens[r]]`` (host offsets and lengths), rows of the layer's view
+    that run on within each of Transformers' pages of `tokens_per_page` rows. With pages of 64 (or 32) rows dividing
+    those, the ``c``-th page of the request is the one holding the row of its token ``c * 64``: a gather on the
+    device from the read indices, no sync."""
+    if not layer.packed:
+        raise Refused("the paged cache does not store the latent packed (its rows are wider than rank + rope)")
+    size = next((p for p in (PAGE_SIZE, 32) if tokens_per_page % p == 0), None)
+    if size is None:
+        raise Refused(f"continuous batching's pages of {tokens_per_page} tokens are not a multiple of trtllm-gen's "
+                      "32 or 64 (ContinuousBatchingConfig(page_size=...))")
+    max_len = int(lens.max())
+    token = offsets[:, None] + torch.arange(-(-max_len // size))[None, :] * size
+    token = torch.minimum(token, (offsets + lens - 1)[:, None])  # past a request's pages: its last one (unread)
+    tables = (page_table[to_device(token, layer.device)] // size).to(torch.int32)
+    counter = counter_buffer(lens.numel(), layer.heads, layer.device) if backend == "trtllm-gen" else None
+    return TrtllmMetadata(backend, tables, to_device(lens.to(torch.int32), layer.device), max_len, counter,
+                          page_size=size)
+
+
 def fixed(backend: str, layer, batch: int, q_len: int) -> TrtllmMetadata:
     """Fixed-address metadata for a CUDA-graph slot: tables over the cache's whole capacity, the capacity as the
     maximum length, and the device's counter buffer grown now, before capture, for this shape."""
@@ -168,7 +194,7 @@ def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=No
         kernel["sparse_mla_top_k"] = layer.topk
     out = trtllm_batch_decode_with_kv_cache_mla(
         query=query,
-        kv_cache=packed_pages(kv_latent, k_rot),
+        kv_cache=packed_pages(kv_latent, k_rot, meta.page_size),
         workspace_buffer=workspace_buffer(layer.device),
         qk_nope_head_dim=layer.rank,  # unused by the dense path; the absorbed query is kv_lora_rank wide
         kv_lora_rank=layer.rank,

@@ -1,13 +1,23 @@
 """Extra FlashInfer JIT modules for the device kit: ``python3 ../shared/devkit/build_kit.py --extra-modules
-scripts/dev/devkit_modules.py``. The FP8 latent cache (``MLALatentCache(..., dtype=torch.float8_e4m3fn)``) runs
-fa3 with a bf16/fp16 query over an ``float8_e4m3fn`` latent, a module the default kit does not build."""
+scripts/dev/devkit_modules.py``.
+
+* The FP8 latent cache (``MLALatentCache(..., dtype=torch.float8_e4m3fn)``) runs fa3 with a bf16/fp16 query over an
+  ``float8_e4m3fn`` latent, a module the default kit does not build.
+* Continuous batching's prefill chunks (``paged.py``) run FlashInfer's ragged prefill on fa3 with DeepSeek's
+  expanded head dims (query/key 192, value 128), bf16.
+"""
 
 
 def modules():
     import torch
     from flashinfer.jit import gen_batch_mla_module
+    from flashinfer.jit.attention.modules import gen_batch_prefill_module
 
-    return [
+    fp8 = [
         (lambda d=dt: gen_batch_mla_module("fa3", d, torch.float8_e4m3fn, d, torch.int32, 512, 64, False), "9.0a")
         for dt in (torch.bfloat16, torch.float16)
     ]
+    bf16 = torch.bfloat16
+    ragged = [(lambda: gen_batch_prefill_module("fa3", bf16, bf16, bf16, torch.int32, 192, 128, 0, False, False,
+                                                False), "9.0a")]
+    return fp8 + ragged

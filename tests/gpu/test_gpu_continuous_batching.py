@@ -5,8 +5,11 @@ Skipped without CUDA. Run with ``python -m pytest -q tests/gpu/test_gpu_continuo
 * kernel level: one step of decodes mixed with prefill chunks, its rows scattered over a paged cache, at 16 and 128
   heads, through FlashInfer's generated module and through its public wrapper (``HF_FLASHINFER_MLA_FA_PLANNER``);
   a control with the wrong softmax scale must fail the bound;
-* model level: ``generate_batch`` of a DeepSeek-V3-shaped model (512 + 64 latent) on the kernel against the same
-  loop on the reference backend, with the kernel observed to run.
+* prefill chunks on FlashInfer's fa3 ragged prefill (query/key 192, value 128) against SDPA per request, chunks after
+  a cached past included, at 16 and 128 heads, in one launch and in several groups; a control with the wrong softmax
+  scale must fail the bound;
+* model level: ``generate_batch`` of a DeepSeek-V3-shaped model (512 + 64 latent) on the kernels (decode and
+  ragged prefill) against the same loop on the reference backend and SDPA, with both kernels observed to run.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_flashinfer_mla  # noqa: F401
 from hf_flashinfer_mla import capabilities, paged
-from hf_flashinfer_mla.kernels import fa
+from hf_flashinfer_mla.kernels import fa, ragged
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -77,10 +80,54 @@ def test_paged_decode_kernel_against_reference(backend, heads, planner, monkeypa
     assert rel(_run(backend, heads, case, scale * 1.5), ref) > KERNEL_TOL  # the bound catches a wrong scale
 
 
-def _v3_shaped(attn):
+def _prefill(module, case, requested, scale):
+    """`paged._prefill` of one step (its decode requests left out) on `requested`'s prefill path."""
+    from types import SimpleNamespace
+
+    q_lens, k_lens, table, query, kv, rot = case
+    step = paged.PagedStep(q_lens, k_lens, int(q_lens.sum()))
+    out = query.new_zeros(1, query.shape[2], query.shape[1], module.v_head_dim)
+    cache = SimpleNamespace(prefill_wrappers=ragged.Wrappers())
+    paged._prefill(cache, step, step.decode, module, query, kv, rot, table, scale, requested, out)
+    return out, step
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_ragged_prefill_against_sdpa(heads, grouped, monkeypatch):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3 ragged prefill needs SM90")
+    _available("fa3", heads)
+    model = _v3_shaped("flashinfer_mla", heads=heads)
+    module = next(m for m in model.modules() if hasattr(m, "kv_b_proj"))
+    g = torch.Generator(device=DEV).manual_seed(2)
+    q_lens = torch.tensor([37, 1, 200, 64, 1, 512])
+    k_lens = torch.tensor([37, 900, 700, 1000, 17, 512])  # chunks after a past (200 of 700, 64 of 1000) and alone
+    rows = 8192
+    cache = torch.randn(rows, 1, 576, generator=g, device=DEV, dtype=torch.bfloat16)
+    kv, rot = cache[:, :, :512].transpose(0, 1)[None], cache[:, :, 512:].transpose(0, 1)[None]
+    table = torch.randperm(rows, generator=g, device=DEV)[: int(k_lens.sum())]
+    query = torch.randn(1, heads, int(q_lens.sum()), 192, generator=g, device=DEV, dtype=torch.bfloat16)
+    case = (q_lens, k_lens, table, query, kv, rot)
+    if grouped:
+        monkeypatch.setattr(ragged, "EXPANDED_BYTES", 1)  # every request a launch of its own
+    scale = 192**-0.5
+    ref, _ = _prefill(module, case, "reference", scale)
+    out, step = _prefill(module, case, "fa3", scale)
+    groups = next(v for k, v in step.routes.items() if k[0] == "prefill")
+    assert len(groups) == (4 if grouped else 1), "the ragged prefill did not plan"
+    prefill_tokens = torch.cat([torch.arange(int(a), int(a + n)) for a, n in zip(step.cu_q, q_lens) if n > 1])
+    err = rel(out[:, prefill_tokens], ref[:, prefill_tokens])
+    print(f"fa3 ragged prefill heads={heads} grouped={grouped}: rel err {err:.2e}")
+    assert err < KERNEL_TOL
+    wrong, _ = _prefill(module, case, "fa3", scale * 1.5)
+    assert rel(wrong[:, prefill_tokens], ref[:, prefill_tokens]) > KERNEL_TOL  # the bound catches a wrong scale
+
+
+def _v3_shaped(attn, heads=16):
     config = transformers.DeepseekV3Config(
         vocab_size=512, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        num_attention_heads=heads, num_key_value_heads=heads, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
         topk_group=1, first_k_dense_replace=2, kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64,
         qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=4096, eos_token_id=None, pad_token_id=0,
     )
@@ -97,9 +144,10 @@ def test_generate_batch_on_kernel_against_reference(monkeypatch):
     prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (5, 300, 17, 1200, 64, 9, 700, 33)]
     gen = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(page_size=64, num_blocks=256, max_batch_tokens=512, max_requests_per_batch=8)
-    runs = []
-    original = fa.run
+    runs, prefills = [], []
+    original, original_prefill = fa.run, ragged.run
     monkeypatch.setattr(fa, "run", lambda *a, **k: runs.append(1) or original(*a, **k))
+    monkeypatch.setattr(ragged, "run", lambda *a, **k: prefills.append(1) or original_prefill(*a, **k))
     results = {}
     for requested in (backend, "reference"):
         monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", requested)
@@ -107,6 +155,7 @@ def test_generate_batch_on_kernel_against_reference(monkeypatch):
         assert all(o.error is None for o in out.values())
         results[requested] = [o.generated_tokens for o in out.values()]
     assert runs, "the kernel never ran"
+    assert prefills or backend != "fa3", "the ragged prefill never ran"
     same = sum(a == b for a, b in zip(results[backend], results["reference"]))
     first = sum(a[:4] == b[:4] for a, b in zip(results[backend], results["reference"]))
     print(f"{backend}: {same}/{len(prompts)} requests identical to the reference backend, {first} on 4 tokens")
