@@ -13,6 +13,10 @@
 #                                           # ab_old/ (git archive REV hf_flashinfer_mla scripts); the V3-shape grid
 #                                           # (eager mode); the CUDA-graph target cell; DeepSeek-V2-Lite static-cache
 #                                           # generate() at batch 1 and 8
+#   bash scripts/dev/gpu_session.sh cb      # tests/gpu/test_gpu_continuous_batching.py (ragged prefill included), the
+#                                           # serving benchmark on the V3 attention shape (the three modes and the
+#                                           # SDPA-prefill A/B), the host-time profile of a CUDA-graph step (32 x 4k)
+#   bash scripts/dev/gpu_session.sh cbv2    # the serving benchmark on DeepSeek-V2-Lite: ragged prefill A/B
 set -uo pipefail
 O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$PWD
@@ -43,6 +47,21 @@ case "$1" in
     run 100 sparse_graphs.txt python3 bench_decode.py --graphs --model deepseek-v32-attn --batch 1 32 --context 32768 \
         --attn flashinfer_mla --steps 5 --no-floor --time-limit 60 --out "$O" --name decode_v32_graphs.json
     for f in serving sparse_graphs; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -25; done ;;
+  cb)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_continuous_batching.py -s 2>&1 \
+      | tee "$O/gpu_cb_tests.txt" | grep -E "rel|passed|failed|Error|error" | tail -20
+    cd "$ROOT/scripts"
+    run 330 serving_v3.txt python3 bench_serving.py --model deepseek-v3-attn --no-progress --out "$O" \
+        --modes cb-flashinfer_mla cb-flashinfer_mla-sdpa-prefill generate-flashinfer_mla generate-sdpa
+    run 90 profile_graphs.txt python3 dev/profile_step.py --graphs --cells 32x4096 --attn flashinfer_mla sdpa \
+        --out "$O" --name profile_graphs.txt
+    for f in serving_v3 profile_graphs; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -25; done
+    grep "^==" "$O/profile_graphs.txt" ;;
+  cbv2)
+    cd "$ROOT/scripts"
+    run 560 serving_v2.txt python3 bench_serving.py --model deepseek-v2-lite --no-progress --out "$O" \
+        --modes cb-flashinfer_mla cb-flashinfer_mla-sdpa-prefill
+    echo "== serving_v2"; grep -v "^  \|Loading" "$O/serving_v2.txt" | tail -25 ;;
   hostab)
     for v in old new old2 new2; do
       if [ ${v%2} = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
