@@ -3,10 +3,10 @@
 `FakeMLAModule` has the call signatures of FlashInfer 0.7.4's module (``csrc/batch_mla_binding.cu``, as
 ``_fa_common._plan_generated_fa`` / ``_run_generated_fa`` call it), asserts what it receives, stages the planned
 rows into the integer workspace it was given (as the native scheduler does) and reads them back from the workspace
-it is run with, then computes exactly what the kernel computes, causal rule included. `FakeRaggedPrefill` stands in for the ragged prefill wrapper of
-continuous batching's prefill chunks (``kernels/ragged.py``) the same way. `fake_hopper` makes the
-package believe it runs on an SM90 GPU with those, in float64 on the CPU, so whole models can be checked
-against ``eager`` to rounding.
+it is run with, then computes exactly what the kernel computes, causal rule included. `FakeRaggedPrefill` stands in
+for the ragged prefill wrapper of continuous batching's prefill chunks (``kernels/ragged.py``) the same way.
+`fake_hopper` makes the package believe it runs on an SM90 GPU with those, in float64 on the CPU, so whole models
+can be checked against ``eager`` to rounding.
 """
 
 from __future__ import annotations
