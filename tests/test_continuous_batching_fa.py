@@ -149,3 +149,19 @@ def test_trtllm_gen_declines_pages_it_cannot_read(monkeypatch):
     out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
     assert not kernel.calls
+
+
+def test_ragged_groups_stay_within_the_expansion_bound(monkeypatch):
+    """Consecutive prefill requests share a launch while their expanded rows fit `EXPANDED_BYTES`; a request longer
+    than the bound is a group of its own; each group's token and row positions are its requests' own, in order."""
+    from hf_flashinfer_mla.kernels import ragged
+
+    monkeypatch.setattr(ragged, "EXPANDED_BYTES", 15 * 100)  # 15 rows of 100 bytes
+    q_lens, k_lens = torch.tensor([5, 1, 10, 3, 20, 2]), torch.tensor([5, 9, 10, 3, 20, 12])
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)])
+    kv_offsets = torch.cat([torch.zeros(1, dtype=torch.long), k_lens.cumsum(0)])
+    groups = ragged.groups(q_lens, k_lens, cu_q, kv_offsets, [0, 2, 3, 4, 5], 100, torch.device("cpu"))
+    assert [g.requests for g in groups] == [[0, 2], [3], [4], [5]]
+    assert groups[0].q_index.tolist() == list(range(0, 5)) + list(range(6, 16))
+    assert groups[0].kv_index.tolist() == list(range(0, 5)) + list(range(14, 24))
+    assert all(int(k_lens[g.requests].sum()) <= 15 for g in groups if len(g.requests) > 1)
