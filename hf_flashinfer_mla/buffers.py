@@ -52,7 +52,7 @@ def multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device | str) -> 
 
 def identity_rows(device: torch.device | str, rows: int) -> torch.Tensor:
     """``arange`` (int32, at least `rows` long) on `device`: the page indices of a cache whose rows the fa2/fa3
-    kernels address in place (``flashinfer_fa.PagedRows.addressing``), so that no step builds indices of its own.
+    kernels address in place (``kernels/fa.addressing``), so that no step builds indices of its own.
 
     It grows in whole MiB when a larger cache asks. A step holds the tensor it planned with, so replacing it never
     frees indices a queued kernel still reads."""

@@ -222,6 +222,7 @@ class PagedStep:
         self.kv_offsets = torch.zeros(self.batch + 1, dtype=torch.long)
         self.kv_offsets[1:] = self.k_lens.cumsum(0)
         self.decode = (self.q_lens == 1).nonzero().flatten()  # requests that run absorbed
+        self.chunks = (self.q_lens != 1).nonzero().flatten().tolist()  # the others: prefill chunks
 
     @property
     def batch(self) -> int:
@@ -310,13 +311,13 @@ def _prefill(allocator: LatentAllocator, step: PagedStep, decoded, module, query
     causally, on FlashInfer's ragged prefill (``kernels/ragged.py``: one launch per group of requests) where the
     step's decode backend is fa3 and it serves the head dims, else with Transformers' SDPA one request at a time
     (so the transient keys and values are one request's)."""
-    done = set(decoded.tolist())
-    pending = [r for r in range(step.batch) if r not in done]
+    pending = step.chunks if len(decoded) else list(range(step.batch))  # (no decode: a layer that cannot absorb)
     if not pending:
         return
     lat_rows, rot_rows = kv_latent[0, 0], k_rot[0, 0]
     expand = original_expand_kv(module)
-    key = ("prefill", query.device, query.dtype, query.shape[1], query.shape[-1], module.v_head_dim, scale, requested)
+    key = ("prefill", query.device, query.dtype, query.shape[1], query.shape[-1], module.v_head_dim, scale, requested,
+           len(pending))
     if key not in step.routes:
         step.routes[key] = _prefill_groups(allocator, step, pending, module, query, scale, requested)
     for group in step.routes[key]:

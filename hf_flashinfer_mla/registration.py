@@ -13,7 +13,7 @@ Transformers has no hook to validate a custom implementation against a model, an
 to Transformers' own check untouched. ``get_correct_attn_implementation``, which ``set_attn_implementation`` calls
 for sub-models (``{"text_config": "flashinfer_mla"}``), gets the same check.
 
-A forced backend is a runtime setting (``dispatch.py``): ``from_pretrained``/``from_config`` take ``mla_backend=``,
+A forced backend is a runtime setting (``capabilities.py``): ``from_pretrained``/``from_config`` take ``mla_backend=``,
 validate it at the call and keep it on the loaded model's config under a private name that ``to_dict`` (and so
 ``save_pretrained``) drops; ``generate()`` validates its ``mla_backend=`` where it validates every other keyword.
 ``generate()``'s default cache gets this package's latent layers.
