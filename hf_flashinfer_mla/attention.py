@@ -33,7 +33,7 @@ from .kernels import reference
 from .masks import MAX_DECODE_QUERY, selection_mask
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .paged import allocator_of, attend as paged_attend
-from .plan import PLAN_ATTR, as_bool_mask, layer_of, step_plan
+from .plan import as_bool_mask, layer_of, step_plan
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
@@ -103,11 +103,7 @@ def flashinfer_mla_attention_forward(
         o_lat = _decode_compiled(module, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad,
                                  indices, s_aux)
     else:
-        plan = getattr(attention_mask, PLAN_ATTR, None)
-        if plan is None:  # a 4D mask of the user's own, or accelerate's copy of the step's mask for another device
-            plan = step_plan(attention_mask, module)
-        else:
-            plan.consumers.add(id(module))
+        plan = step_plan(attention_mask, module)  # the mask's own plan, or one for a mask built elsewhere
         # The layer's shape: the key of its route in the step's plan (only the step's first layer of a shape
         # builds one; the others look it up).
         key = (q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[0], kv_latent.shape[-1], k_rot.shape[-1],

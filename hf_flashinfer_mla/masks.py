@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from .kernels.graphs import note_mask_built_in_graph
+from .kernels.graphs import note_mask_built_in_graph, note_mask_planned
 from .plan import as_bool_mask, attach_plan
 from .rows import GrowingMask, Rows
 
@@ -82,6 +82,7 @@ def flashinfer_mla_mask(
         note_mask_built_in_graph()
         return mask
     plan = attach_plan(mask, rows, kwargs.get("config"), growing)
+    note_mask_planned(plan)
     if growing is not None:
         growing.last_plan = plan  # generate()'s next mask update plans the next step from it
     plan.load_graph_slots()  # CUDA-graph slots of this shape get this step's metadata before any replay

@@ -283,11 +283,13 @@ def plan_of(mask: torch.Tensor) -> StepPlan | None:
 def step_plan(mask: torch.Tensor, module) -> StepPlan:
     """The plan of the step `mask` belongs to, as seen by the attention `module`: the one attached to it; for a copy
     made for another device, the plan of its model's current step; for any other mask (a 4D mask of the user's
-    own) an exact plan of its own."""
+    own) an exact plan of its own. A plan `module` already ran on is another step's: the tensor is a mask that a
+    loop rewrites in place for every step (one buffer of a static cache's shape), so it is planned again from
+    what it holds now."""
     plan = getattr(mask, PLAN_ATTR, None)
-    if plan is None:
+    if plan is None or id(module) in plan.consumers:
         ref = _current.get(id(module.config))
-        current = ref() if ref is not None else None
+        current = ref() if ref is not None and plan is None else None
         if current is not None and current.adoptable_by(mask, module):
             plan = current
         else:

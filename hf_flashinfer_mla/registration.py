@@ -45,9 +45,9 @@ from .attention import flashinfer_mla_attention_forward
 from .cache import MLAStaticLayer, adopt_latent_layers, packed_layout_for
 from .capabilities import LOAD_ATTR, requested_backend, validate_backend
 from .errors import UnsupportedModelError
+from .kernels import graphs
 from .masks import flashinfer_mla_mask
 from .models import ATTN_NAME, check_model_supported, install_latent_hook
-
 from .plan import plan_of
 from .rows import GrowingMask
 
@@ -245,7 +245,10 @@ def _slots_checked_before_compiled_steps(original):
                 plan = plan_of(mask) if isinstance(mask, torch.Tensor) else None
                 if plan is not None:
                     plan.load_graph_slots(replaying=True)
-            return compiled(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                graphs.note_mask_planned(None)
 
         return compiled_step
 

@@ -134,6 +134,9 @@ class GrowingMask:
     width: int
     last_plan: Any = None
     ahead: dict = field(default_factory=dict)
+    # Per device, [B, 1, 1, capacity] int32: position j where j >= first[b], else past every mask (see `mask`).
+    # Shared by the grown masks of one generate() call, whose rows all start there.
+    _visible_from: dict = field(default_factory=dict)
 
     ATTR = "_flashinfer_mla_rows"
 
@@ -156,7 +159,7 @@ class GrowingMask:
 
     def grown(self, width: int) -> GrowingMask:
         """The same rows, grown to `width` (the next mask ``generate()`` builds)."""
-        return GrowingMask(self.first, self.first_on_device, width)
+        return GrowingMask(self.first, self.first_on_device, width, _visible_from=self._visible_from)
 
     def rows(self, q_len: int, kv_len: int) -> Rows | None:
         """The step's rows when this mask spans the cache (width <= the cache's length), else None."""
@@ -166,9 +169,18 @@ class GrowingMask:
 
     def mask(self, batch_size: int, q_len: int, kv_len: int, device) -> torch.Tensor:
         """The step's ``[B, 1, q_len, kv_len]`` boolean mask, equal to ``sdpa_mask``'s for these rows under the
-        causal mask, in a handful of ops instead of its dozens: position ``j`` is visible to query token ``i`` when
-        ``first[b] <= j <= width - q_len + i``."""
-        positions = torch.arange(kv_len, device=device)
-        last = torch.arange(self.width - q_len, self.width, device=device)
-        causal = positions <= last[:, None]  # [q_len, kv_len]
-        return causal & (positions >= self.first_on_device.to(device).view(batch_size, 1, 1, 1))
+        causal mask: position ``j`` is visible to query token ``i`` when ``first[b] <= j <= width - q_len + i``.
+        One comparison per step (``sdpa_mask`` takes dozens of ops, and each op costs the host more than the GPU):
+        the left bound is folded once per call into a table of the positions, which the later steps compare with
+        their right bound. The table grows by half when a dynamic cache outgrows it."""
+        table = self._visible_from.get(device)
+        if table is None or table.shape[-1] < kv_len:
+            capacity = kv_len if table is None else max(kv_len, table.shape[-1] * 3 // 2)
+            j = torch.arange(capacity, dtype=torch.int32, device=device)
+            first = self.first_on_device.to(device).view(batch_size, 1, 1, 1)
+            table = self._visible_from[device] = torch.where(j >= first, j, torch.iinfo(torch.int32).max)
+        table = table[..., :kv_len]
+        if q_len == 1:
+            return table < self.width
+        last = torch.arange(self.width - q_len, self.width, dtype=torch.int32, device=device)
+        return table <= last.view(1, 1, q_len, 1)

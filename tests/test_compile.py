@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
@@ -53,25 +51,36 @@ def test_graph_custom_op_is_registered_with_a_fake_implementation():
     assert out.shape == q.shape and out.dtype == q.dtype
 
 
-def test_graphs_that_build_their_own_mask_do_not_use_graph_wrappers():
-    # A user-compiled forward traces the mask function: nothing would re-plan FlashInfer before a CUDA-graph replay,
-    # so such graphs must take the reference path. generate()'s static-cache graphs get the mask from outside.
-    from hf_flashinfer_mla.kernels.graphs import mask_planned_outside_graph, note_mask_built_in_graph
+def test_only_graphs_handed_a_mask_planned_outside_use_graph_wrappers():
+    # A replayed CUDA graph runs no Python, so a graph may take the kernels' slots only if the mask function planned
+    # its mask outside it (and reloads the slots before every replay), as generate() does with a static cache. A
+    # user-compiled forward that traces the mask function, or one handed a 4D mask the mask function never saw (the
+    # last plan gone, or one that layers already ran on: an uncompiled step's), takes the reference path.
+    from hf_flashinfer_mla.kernels.graphs import mask_planned_outside_graph, note_mask_built_in_graph, note_mask_planned
 
-    torch._dynamo.reset()
+    def compiled(builds_mask):
+        torch._dynamo.reset()  # (each case traces again: the rule is a constant of the graph)
 
-    @torch.compile(backend="eager", fullgraph=True)
-    def builds_mask(x):
-        note_mask_built_in_graph()
-        return x + 1 if mask_planned_outside_graph() else x - 1
+        @torch.compile(backend="eager", fullgraph=True)
+        def step(x):
+            if builds_mask:
+                note_mask_built_in_graph()
+            return x + 1 if mask_planned_outside_graph() else x - 1
 
-    @torch.compile(backend="eager", fullgraph=True)
-    def receives_mask(x):
-        return x + 1 if mask_planned_outside_graph() else x - 1
+        return step(torch.zeros(2))
 
-    x = torch.zeros(2)
-    assert torch.equal(builds_mask(x), x - 1)
-    assert torch.equal(receives_mask(x), x + 1)
+    class Plan:  # what the rule reads of a step's plan
+        consumers: set = set()
+
+    fresh = Plan()
+    fresh.consumers = set()
+    note_mask_planned(fresh)
+    assert torch.equal(compiled(builds_mask=False), torch.ones(2))  # generate()'s static-cache steps
+    assert torch.equal(compiled(builds_mask=True), -torch.ones(2))
+    fresh.consumers.add(1)  # a layer ran on it uncompiled: not this graph's mask
+    assert torch.equal(compiled(builds_mask=False), -torch.ones(2))
+    del fresh
+    assert torch.equal(compiled(builds_mask=False), -torch.ones(2))  # no plan alive: the user's own 4D mask
 
 
 def _compiled_generate(model, ids, mask, new_tokens):
@@ -110,3 +119,38 @@ def test_compiled_static_generate_runs_the_graph_op_for_any_sequence_of_shapes(f
     assert runs == [2 * (n - 1) for n in (4, 4, 6, 4)]
     slots = {key[2:4] for key, slot in graphs._slots.items()}  # (batch, query length)
     assert {(1, 1), (4, 1), (2, 1)} <= slots  # one slot per batch size, the first reused by the last call
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("masks", ["mask function", "the caller's own"])
+def test_a_compiled_forward_takes_graph_slots_only_for_masks_the_mask_function_planned(fake_hopper, masks):
+    """A forward compiled by the caller (not by generate()), handed 4D masks each step. Masks from Transformers'
+    ``create_masks_for_generate`` went through the mask function, which reloads the CUDA-graph slots before each
+    step: the graph runs fa3 through them. A 4D mask of the caller's own never reaches the mask function, so nothing
+    would reload a slot before a replay (on a GPU the replays would attend over the captured step's rows): the graph
+    runs the reference backend. Both give the uncompiled run's logits."""
+    torch._dynamo.reset()
+    model = make_model("deepseek_v3", first_k_dense_replace=2)
+    steps = 4
+    max_len = left_padded_batch()[0].shape[1] + steps + 3
+
+    def with_4d(forward):
+        def step(attention_mask, cache, position_ids, **kwargs):
+            if masks == "mask function":
+                mask4d = create_masks_for_generate(config=model.config, inputs_embeds=torch.empty(
+                    attention_mask.shape[0], 1, 0, dtype=model.dtype), attention_mask=attention_mask, cache=cache,
+                    position_ids=position_ids)
+            else:
+                mask4d = torch.zeros(attention_mask.shape[0], 1, 1, max_len, dtype=torch.bool)
+                mask4d[:, 0, 0, : attention_mask.shape[1]] = attention_mask.bool()
+            return forward(attention_mask=mask4d, cache=cache, position_ids=position_ids, **kwargs)
+
+        return step
+
+    plain = _decode_steps(with_4d(model), model, steps)
+    runs = fake_hopper.modules["fa3"].runs
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+    graph_mode = _decode_steps(with_4d(compiled), model, steps)
+    slot_runs = fake_hopper.modules["fa3"].runs - runs
+    assert rel_err(graph_mode, plain) < 1e-10
+    assert slot_runs == (2 * steps if masks == "mask function" else 0)  # two layers per step, or the reference

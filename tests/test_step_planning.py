@@ -641,6 +641,34 @@ def test_user_4d_masks_get_fresh_plans_every_step(fake_hopper):
     assert rel_err(runs["4d"], runs["2d"]) < TOL
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float64])
+def test_a_4d_mask_rewritten_in_place_is_planned_again_every_step(fake_hopper, dtype):
+    """A loop that keeps one 4D mask tensor of the static cache's shape and rewrites it in place for every step (as
+    constant-address loops do), boolean or additive: each step is planned from what the tensor holds now. A plan
+    kept on the tensor from its first step would run every later step on the first step's rows."""
+    model = make_model("deepseek_v3")
+    ids, mask, _ = left_padded_batch()
+    forced = torch.randint(1, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
+    max_len = ids.shape[1] + 8
+    buffer = torch.zeros(ids.shape[0], 1, 1, max_len, dtype=dtype)
+
+    def rewritten(attention_mask, **kwargs):
+        visible = torch.zeros(buffer.shape, dtype=torch.bool)
+        visible[:, 0, 0, : attention_mask.shape[1]] = attention_mask.bool()
+        buffer.copy_(visible if dtype == torch.bool
+                     else torch.zeros(buffer.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min))
+        return model(attention_mask=buffer, **kwargs)
+
+    runs = {
+        kind: decode_logits(model, ids, mask, cache=StaticCache(config=model.config, max_cache_len=max_len),
+                            forced=forced, forward=forward)
+        for kind, forward in (("2d", None), ("rewritten", rewritten))
+    }
+    assert rel_err(runs["rewritten"], runs["2d"]) < TOL
+    assert len(fake_hopper.modules["fa3"].plans) == 2 * forced.shape[1]  # one per step, on fa3
+
+
 # ------------------------------------------------------------------------------------------ CUDA-graph slots
 def _graph_step(first, end, kv_len=16, mask=None):
     """A decode step over a static cache of `kv_len` rows, its rows known on the host (or read off `mask`)."""

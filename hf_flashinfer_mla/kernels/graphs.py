@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import weakref
 
 import torch
@@ -123,6 +124,16 @@ def _outside_graph_pool(device: torch.device, build):
 
 # Graphs (by their dynamo tracing context) that build the attention mask themselves.
 _graphs_building_masks: "weakref.WeakSet" = weakref.WeakSet()
+# The plan of the decode mask the mask function built last on this thread (weak). A graph traced while that plan is
+# alive and unused receives its mask from the mask function, which reloads the graph's slots before every replay.
+_planned = threading.local()
+
+
+def note_mask_planned(plan) -> None:
+    """Called by the mask function for every decode mask it plans, outside compiled regions; None (generate()'s
+    compiled step, once it returns) forgets it, so that a graph compiled later by other code is not taken for one
+    of generate()'s."""
+    _planned.ref = None if plan is None else weakref.ref(plan)
 
 
 # These run as plain Python while dynamo traces (their results are constants of the graph; they take no sizes).
@@ -137,15 +148,28 @@ def note_mask_built_in_graph() -> bool:
 
 @torch.compiler.assume_constant_result
 def mask_planned_outside_graph() -> bool:
-    """Whether the graph being traced receives its mask from outside (as generate() does with a static cache,
-    planning it eagerly each step). Graphs that build their own mask get the reference backend instead: a replayed
-    CUDA graph would otherwise run on the metadata of the step it was captured at."""
+    """Whether the graph being traced receives a mask that the mask function planned outside it, as generate()
+    does with a static cache (the mask function reloads the slots before every step). Other graphs run the reference
+    backend instead, since a replayed CUDA graph would run on the metadata of the step it was captured at: graphs
+    that build their own mask, and graphs handed a 4D mask the mask function never saw (a loop of the user's own;
+    the plan noted last is then missing, or is one that layers already ran on, an uncompiled step's)."""
     context = TracingContext.try_get()
-    outside = context is None or context not in _graphs_building_masks
-    if not outside:
+    if context is not None and context in _graphs_building_masks:
         logger.warning(
             "flashinfer_mla: this compiled graph builds its own attention mask, so no kernel can be planned before "
             "each CUDA-graph replay; its decode runs on the PyTorch reference backend. Use generate(..., "
             'cache_implementation="static"), which compiles the decode step and builds the mask outside the graph.'
         )
-    return outside
+        return False
+    ref = getattr(_planned, "ref", None)
+    plan = ref() if ref is not None else None
+    if plan is None or plan.consumers:
+        logger.warning(
+            "flashinfer_mla: this compiled graph is handed a 4D attention mask that flashinfer_mla's mask function "
+            "did not build, so nothing reloads its kernels' metadata before a CUDA-graph replay; its decode runs on "
+            "the PyTorch reference backend. Pass the 2D padding mask and build the 4D mask outside the graph with "
+            "transformers.masking_utils.create_masks_for_generate, as generate(..., cache_implementation=\"static\") "
+            "does."
+        )
+        return False
+    return True

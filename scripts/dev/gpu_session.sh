@@ -17,6 +17,8 @@
 #                                           # serving benchmark on the V3 attention shape (the three modes and the
 #                                           # SDPA-prefill A/B), the host-time profile of a CUDA-graph step (32 x 4k)
 #   bash scripts/dev/gpu_session.sh cbv2    # the serving benchmark on DeepSeek-V2-Lite: ragged prefill A/B
+#   bash scripts/dev/gpu_session.sh replay  # where a CUDA-graph step's time goes (V3 shape, 32 x 4k): kernels per
+#                                           # category and the host's segments, flashinfer_mla and sdpa
 set -uo pipefail
 O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$PWD
@@ -72,6 +74,15 @@ case "$1" in
     cd "$ROOT/scripts"
     run 300 serving.txt python3 bench_serving.py --model deepseek-v2-lite --no-progress --out "$O"
     for f in host_ab serving; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -40; done ;;
+  replay)
+    cd "$ROOT/scripts"
+    run 200 replay.txt python3 dev/profile_replay.py --cells 32x4096 --attn flashinfer_mla sdpa --steps 20 --top 12 \
+        --segments transformers.generation.utils:create_masks_for_generate \
+        hf_flashinfer_mla.masks:host_rows \
+        hf_flashinfer_mla.rows:GrowingMask.mask hf_flashinfer_mla.masks:attach_plan \
+        hf_flashinfer_mla.plan:StepPlan.load_graph_slots hf_flashinfer_mla.kernels.fa:upload \
+        hf_flashinfer_mla.plan:StepPlan.plan_next --out "$O" --name replay.json
+    grep -A12 "^== \|categories\|host per step" "$O/replay.txt" | grep -v "^  \|Loading\|warn" ;;
   bench)
     for v in old new; do
       if [ $v = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi

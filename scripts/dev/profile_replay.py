@@ -61,8 +61,35 @@ def kernel_times(prof, device, steps: int) -> dict[str, list[float]]:
     return dict(acc)
 
 
-def host_breakdown(model, cache, forward, batch: int, context: int, steps: int, device) -> dict:
-    """decode_steps' loop, with each part of the host's step timed (ms per step, medians; mask: all its calls)."""
+def _timed_segments(specs: list[str], spent: defaultdict):
+    """Wrap each ``module:attr.attr`` of `specs` so that its calls add their time to ``spent[spec]`` (ms); returns
+    the undo list. Wrap a function where it is looked up (``pkg.masks:attach_plan``, not ``pkg.plan:attach_plan``)."""
+    import importlib
+
+    undo = []
+    for spec in specs:
+        module, _, path = spec.partition(":")
+        *owners, attr = path.split(".")
+        owner = importlib.import_module(module)
+        for name in owners:
+            owner = getattr(owner, name)
+        original = getattr(owner, attr)
+
+        def timed(*a, _original=original, _spec=spec, **k):
+            t0 = time.perf_counter()
+            try:
+                return _original(*a, **k)
+            finally:
+                spent[_spec] += (time.perf_counter() - t0) * 1e3
+
+        setattr(owner, attr, timed)
+        undo.append((owner, attr, original))
+    return undo
+
+
+def host_breakdown(model, cache, forward, batch: int, context: int, steps: int, device, segments=()) -> dict:
+    """decode_steps' loop, with each part of the host's step timed (ms per step, medians; mask: all its calls;
+    `segments`: functions timed inside the step, see `_timed_segments`)."""
     from transformers import masking_utils as mu
 
     name = model.config._attn_implementation
@@ -78,13 +105,15 @@ def host_breakdown(model, cache, forward, batch: int, context: int, steps: int, 
     tok = torch.randint(0, model.config.vocab_size, (batch, 1),
                         generator=torch.Generator().manual_seed(batch + context)).to(device)
     mask = torch.ones(batch, context + 1, dtype=torch.long, device=device)
-    parts = defaultdict(list)
+    parts, spent = defaultdict(list), defaultdict(float)
     mu.AttentionMaskInterface.register(name, timed_mask)
+    undo = _timed_segments(list(segments), spent)
     try:
         with torch.inference_mode():
             bc.synchronize(device)
             for _ in range(steps):
                 calls, t = len(mask_ms), [time.perf_counter()]
+                spent.clear()
                 inputs = model.prepare_inputs_for_generation(tok, next_sequence_length=1, cache=cache,
                                                              attention_mask=mask, use_cache=True, logits_to_keep=1)
                 t.append(time.perf_counter())
@@ -99,7 +128,11 @@ def host_breakdown(model, cache, forward, batch: int, context: int, steps: int, 
                                     "step": (0, 4)}.items():
                     parts[key].append((t[b] - t[a]) * 1e3)
                 parts["mask"].append(sum(mask_ms[calls:]))
+                for spec in segments:
+                    parts[spec].append(spent[spec])
     finally:
+        for owner, attr, fn in reversed(undo):
+            setattr(owner, attr, fn)
         mu.AttentionMaskInterface.register(name, original)
         cache.crop(-steps)
     rec = {f"{k}_ms": statistics.median(v) for k, v in parts.items()}
@@ -153,10 +186,13 @@ def run_one(model, attn, batch, context, args, device, dtype, floor_bps) -> dict
                             for k, (c, us) in items])
         print(f"{what}: {total:.1f} us per step ({len(kern)} names); step {rec['ms']:.3f} ms; "
               f"gaps (step - kernels) {rec['gaps_ms']:.3f} ms")
-    h = rec["host"] = host_breakdown(model, cache, forward, batch, context, n, device)
+    segments = args.segments if attn == "flashinfer_mla" else [s for s in args.segments if "hf_flashinfer" not in s]
+    h = rec["host"] = host_breakdown(model, cache, forward, batch, context, n, device, segments)
     print("-- host per step (ms, medians, no profiler); mask = the registered mask function inside prepare")
     keys = ("prepare", "mask", "forward", "update", "wait", "step")
     bc.print_table([*keys, "mask calls"], [[f"{h[k + '_ms']:.3f}" for k in keys] + [f"{h['mask_calls_per_step']:.1f}"]])
+    if segments:
+        bc.print_table(["segment (ms per step, median)", "ms"], [[spec, f"{h[spec + '_ms']:.3f}"] for spec in segments])
     rec["recompiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
     if rec["recompiled_graphs"]:
         print(f"warning: {rec['recompiled_graphs']} graphs compiled after warm-up (profiled steps include compiles)")
@@ -179,6 +215,7 @@ def main() -> int:
     p.add_argument("--no-compile", action="store_true", help="eager steps (CPU smoke tests)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
+    p.add_argument("--segments", nargs="*", default=[], help="module:attr functions to time inside the host step")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="profile_replay.json")
     args = p.parse_args()

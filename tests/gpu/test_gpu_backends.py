@@ -483,6 +483,55 @@ def test_cuda_graphs_teacher_forced_match_uncompiled(backend, monkeypatch):
     torch.cuda.empty_cache()
 
 
+def _teacher_forced_own_masks(model, forward):
+    """`_teacher_forced_static`'s steps, each handed a 4D boolean mask of the caller's own (built by hand, a new
+    tensor per step): the mask function never sees it."""
+    ids, mask, forced = _prompts()
+    max_len = 64 + 64 + 16
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    logits = []
+    for t in range(forced.shape[1]):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+        pos = pos[:, -1:] + 1
+        mask4d = torch.zeros(mask.shape[0], 1, 1, max_len, dtype=torch.bool, device=DEV)
+        mask4d[:, 0, 0, : mask.shape[1]] = mask.bool()
+        out = forward(input_ids=forced[:, t:t + 1], attention_mask=mask4d, position_ids=pos, cache=cache,
+                      use_cache=True)
+        logits.append(out.logits[:, -1].float().clone())
+    return torch.stack(logits, 1)
+
+
+@torch.no_grad()
+def test_cuda_graphs_handed_the_callers_own_4d_masks_match_uncompiled(monkeypatch):
+    """A forward compiled with CUDA graphs by the caller and handed 4D masks of the caller's own: nothing reloads a
+    kernel's slot before a replay, so the graphs run the reference backend and 64 steps match the uncompiled run.
+    Control: with the old rule (every graph handed a mask takes the slots) the replays run on the captured step's
+    schedule and the logits part from the uncompiled run's."""
+    _available("fa3")
+    from hf_flashinfer_mla import attention
+
+    model = _model("v3")
+    model.set_attn_implementation("flashinfer_mla")
+    plain = _teacher_forced_own_masks(model, model)
+    results = {}
+    for rule in ("mask function", "old: any mask"):
+        torch._dynamo.reset()
+        if rule.startswith("old"):
+            monkeypatch.setattr(attention, "mask_planned_outside_graph", lambda: True)
+        graphed = _teacher_forced_own_masks(model, torch.compile(model.forward, mode="reduce-overhead"))
+        results[rule] = _compare(graphed, plain)
+        print(f"cuda graphs, the caller's 4D masks, {rule}: rel err {results[rule][0]:.2e}, top-1 "
+              f"{results[rule][1]:.3f}")
+    err, top1 = results["mask function"]
+    assert err < LOGIT_TOL and top1 >= TOP1_MIN
+    err, top1 = results["old: any mask"]
+    assert err > LOGIT_TOL or top1 < TOP1_MIN  # the control: stale slots are detected by these bounds
+    del model
+    torch.cuda.empty_cache()
+
+
 def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch):
     """generate(cache_implementation="static") compiles the decode step itself; with CUDA graphs (replays) it
     produces exactly what the same compiled step produces without graphs (every step planned and launched). The
