@@ -11,6 +11,7 @@ import pytest
 
 SCRIPTS = pathlib.Path(__file__).parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(SCRIPTS / "dev"))
 
 CPU = ["--device", "cpu", "--dtype", "float32"]
 
@@ -28,6 +29,8 @@ CPU = ["--device", "cpu", "--dtype", "float32"]
     ("bench_serving", ["--model", "tiny", "--requests", "5", "--prompt-min", "3", "--prompt-max", "9", "--new", "2",
                        "--static-batch", "4", "--cb-num-blocks", "64", "--cb-page-size", "16",
                        "--cb-max-batch-tokens", "16", "--no-progress"], "serving_tiny.json"),
+    ("profile_replay", ["--model", "tiny", "--cells", "2x32", "--steps", "2", "--no-compile", "--segments",
+                        "hf_flashinfer_mla.masks:host_rows"], "profile_replay.json"),
 ])
 def test_script_runs_on_cpu(script, args, output, tmp_path, capsys):
     module = __import__(script)

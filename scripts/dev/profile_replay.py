@@ -203,7 +203,7 @@ def run_one(model, attn, batch, context, args, device, dtype, floor_bps) -> dict
     return rec
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", nargs="+", default=["32x4096"], help="BATCHxCONTEXT")
     p.add_argument("--attn", nargs="+", default=["flashinfer_mla", "sdpa"], choices=bc.ATTNS)
@@ -218,7 +218,7 @@ def main() -> int:
     p.add_argument("--segments", nargs="*", default=[], help="module:attr functions to time inside the host step")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="profile_replay.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device, dtype = bc.resolve_device(args.device), bc.DTYPES[args.dtype]
     payload = {"metadata": bc.environment(device, args), "categories": CATEGORIES, "results": []}
     floor_bps = payload["copy_bandwidth_Bps"] = bc.copy_bandwidth(device) if device.type == "cuda" else None
