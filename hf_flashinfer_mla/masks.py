@@ -55,9 +55,15 @@ def flashinfer_mla_mask(
     decode = q_length <= MAX_DECODE_QUERY
     compiling = torch.compiler.is_compiling()
     growing = rows = None
+    device = torch.device(kwargs.get("device", "cpu"))
     if decode and not compiling:
         growing, rows = host_rows(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
-    device = kwargs.get("device", "cpu")
+        ready = None if growing is None else growing.take_next(
+            (batch_size, q_length, kv_length, device, id(kwargs.get("config"))))
+        if ready is not None:  # built while the GPU ran the previous step (`plan.StepPlan.plan_next`)
+            mask, plan = ready
+            plan.make_current()
+            return _planned(mask, plan, growing)
     if rows is not None:
         last = torch.arange(rows.end - q_length, rows.end, device=device)  # the last position each query sees
         causal = torch.arange(kv_length, device=device) <= last[:, None]
@@ -81,7 +87,10 @@ def flashinfer_mla_mask(
     if compiling:
         note_mask_built_in_graph()
         return mask
-    plan = attach_plan(mask, rows, kwargs.get("config"), growing)
+    return _planned(mask, attach_plan(mask, rows, kwargs.get("config"), growing), growing)
+
+
+def _planned(mask: torch.Tensor, plan, growing) -> torch.Tensor:
     note_mask_planned(plan)
     if growing is not None:
         growing.last_plan = plan  # generate()'s next mask update plans the next step from it

@@ -79,20 +79,34 @@ class StepPlan:
         if mask.dim() != 4:
             raise ValueError(f"expected a 4D attention mask [batch, 1, q_len, kv_len], got shape {tuple(mask.shape)}")
         self.source_shape, self.source_dtype = tuple(mask.shape), mask.dtype
-        self.mask = as_bool_mask(mask)  # [B, 1, Sq, Skv] bool, True = attend
-        self.batch_size, _, self.q_len, self.kv_len = self.mask.shape
+        # A mask that carries its plan (`attach_plan`) owns it, and the plan then holds that mask weakly: a cycle
+        # would keep every step's masks and metadata alive until Python's garbage collector runs, freeing device
+        # memory at random moments; the next generate()'s static cache then lands elsewhere, and CUDA graphs record
+        # again. Masks the plan makes (a boolean copy of an additive mask, copies for other devices) are its own.
+        as_bool = as_bool_mask(mask)
+        self._mask = weakref.ref(as_bool)
+        self._masks: dict[torch.device, torch.Tensor] = {as_bool.device: as_bool}
+        self.batch_size, _, self.q_len, self.kv_len = mask.shape
+        self.device = mask.device
         self._rows = rows
         self.config = config  # of the model whose mask function built it (None: a mask from elsewhere)
         self.routes: dict[tuple, Route] = {}
         # What the previous step planned for this one, if its rows are these (`plan_next`).
         ahead = growing.ahead if growing is not None and rows is not None else {}
         self._ahead = {key: value for key, value in ahead.items() if rows.same_as(value[0])} if ahead else {}
-        self._masks: dict[torch.device, torch.Tensor] = {self.mask.device: self.mask}
         self._loaded: set[tuple] = set()  # graph slots this step has loaded
         self.slot_refusals: dict[tuple, str] = {}  # slots of this shape whose kernel cannot serve this step
         self.consumers: set[int] = set()  # attention modules that ran on this plan (see `step_plan`)
 
     # ------------------------------------------------------------------------------------------- what builders read
+    @property
+    def mask(self) -> torch.Tensor:
+        """The step's mask, ``[B, 1, Sq, Skv]`` bool, True = attend (alive while its step runs)."""
+        mask = self._mask()
+        if mask is None:
+            raise RuntimeError("flashinfer_mla: a step's plan outlived its attention mask")
+        return mask
+
     def rows(self) -> Rows:
         """The step's rows: known on the host (no sync), or read off the mask once."""
         if self._rows is None:
@@ -100,9 +114,13 @@ class StepPlan:
         return self._rows
 
     def mask_on(self, device: torch.device) -> torch.Tensor:
-        """The mask on `device` (copied once per device and step, for models split across GPUs)."""
+        """The mask on `device` (copied once per device and step, for models split across GPUs). A builder keeps
+        it weakly (``weakref.ref``), as the plan keeps its own mask."""
         if device not in self._masks:
-            self._masks[device] = self.mask.to(device, non_blocking=True)
+            mask = self.mask
+            if mask.device == device:
+                return mask
+            self._masks[device] = mask.to(device, non_blocking=True)
         return self._masks[device]
 
     # ------------------------------------------------------------------------------------------------- routing
@@ -168,7 +186,9 @@ class StepPlan:
             raise graphs.SlotRefused(next(iter(self.slot_refusals.values())))
 
     def _load(self, key: tuple, slot) -> None:
-        if key not in self._loaded:
+        # (another forward of the same shape may have loaded the slot since this plan did: the guidance forward of
+        # classifier-free guidance, a second model of a logits processor)
+        if key not in self._loaded or slot.holder() is not self:
             staged = self._ahead.pop(("slot", key), (None, None))[1]
             slot.load(self, staged)
             self._loaded.add(key)
@@ -192,8 +212,23 @@ class StepPlan:
             staged = slot.ahead(rows) if key in self._loaded else None
             if staged is not None:
                 growing.ahead[("slot", key)] = (rows, staged)
+        # The next step's mask and plan, with its CUDA-graph slots reloaded (stream-ordered after this step's
+        # replay), so that the mask function only hands them out (`GrowingMask.take_next`): none of it waits for
+        # generate() to have this step's tokens.
+        kv_len = self.kv_len if self.kv_len > self._rows.end else growing.width  # a static cache, or a growing one
+        if growing.width > kv_len:
+            return  # a full static cache: there is no next step
+        mask = growing.mask(self.batch_size, self.q_len, kv_len, self.device)
+        step = attach_plan(mask, rows, self.config, growing, current=False)
+        step.load_graph_slots()
+        growing.next_step = ((self.batch_size, self.q_len, kv_len, self.device, id(self.config)), mask, step)
 
     # ---------------------------------------------------------------------------------------- device adoption
+    def make_current(self) -> None:
+        """This is its model's step in progress (for plan-less copies of its mask, `step_plan`)."""
+        if self.config is not None:
+            _current[id(self.config)] = weakref.ref(self)
+
     def adoptable_by(self, mask: torch.Tensor, module) -> bool:
         """Whether a plan-less `mask` reaching `module` is a copy of this plan's mask made for this very step:
         it has the plan's shape and dtype, the plan belongs to `module`'s model, another layer already runs on it
@@ -267,12 +302,16 @@ def _report(refusals: list, route: Route, q_len: int, layer: Layer) -> None:
 _current: dict[int, weakref.ref] = {}
 
 
-def attach_plan(mask: torch.Tensor, rows: Rows | None = None, config=None, growing=None) -> StepPlan:
-    """Build the plan for this step's `mask` and attach it to the tensor."""
+def attach_plan(mask: torch.Tensor, rows: Rows | None = None, config=None, growing=None,
+                current: bool = True) -> StepPlan:
+    """Build the plan for this step's `mask` and attach it to the tensor; `current`: it is its model's current
+    step (False for a step planned ahead, which becomes current when the mask function hands it out)."""
     plan = StepPlan(mask, rows, config, growing)
+    if mask.dtype == torch.bool:
+        del plan._masks[mask.device]  # the mask owns the plan: held weakly from here on
     setattr(mask, PLAN_ATTR, plan)
-    if config is not None:
-        _current[id(config)] = weakref.ref(plan)
+    if current:
+        plan.make_current()
     return plan
 
 

@@ -126,7 +126,9 @@ class GrowingMask:
     positions are ``[first[b], width)``. Attached to the mask tensor it describes (`of`, `attach`).
 
     It also carries what the step over this mask planned ahead for the next one: `last_plan` is the latest step
-    planned over it, and `ahead` the kernel metadata that step built for the next mask (``plan.StepPlan.plan_next``).
+    planned over it, `ahead` the kernel metadata that step built for the next mask, and `next_step` the next
+    step's mask and plan, ready for the mask function if it is asked for exactly that step
+    (``plan.StepPlan.plan_next``).
     """
 
     first: torch.Tensor  # [B] int64, host
@@ -134,6 +136,7 @@ class GrowingMask:
     width: int
     last_plan: Any = None
     ahead: dict = field(default_factory=dict)
+    next_step: tuple | None = None  # ((batch, q_len, kv_len, device, config), 4D mask, its plan)
     # Per device, [B, 1, 1, capacity] int32: position j where j >= first[b], else past every mask (see `mask`).
     # Shared by the grown masks of one generate() call, whose rows all start there.
     _visible_from: dict = field(default_factory=dict)
@@ -160,6 +163,11 @@ class GrowingMask:
     def grown(self, width: int) -> GrowingMask:
         """The same rows, grown to `width` (the next mask ``generate()`` builds)."""
         return GrowingMask(self.first, self.first_on_device, width, _visible_from=self._visible_from)
+
+    def take_next(self, key: tuple):
+        """``(mask, plan)`` of the step planned ahead over this mask, if it is the step `key` describes."""
+        ready, self.next_step = self.next_step, None
+        return ready[1:] if ready is not None and ready[0] == key else None
 
     def rows(self, q_len: int, kv_len: int) -> Rows | None:
         """The step's rows when this mask spans the cache (width <= the cache's length), else None."""

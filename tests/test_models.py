@@ -125,8 +125,9 @@ def test_step_plan_built_once_per_forward_step(monkeypatch):
     monkeypatch.setattr(plan.StepPlan, "__init__", counting_init)
     ids, mask, _ = left_padded_batch()
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-    # 4 decode steps after the prefill (whose 9-token query takes the expanded path), 3 layers each: one plan a step.
-    assert len(built) == 4
+    # 4 decode steps after the prefill (whose 9-token query takes the expanded path), 3 layers each: one plan a step,
+    # and one for the step after the last, planned while the last one ran (generate() stops there).
+    assert len(built) == 4 + 1
 
 
 def test_generate_again_on_the_same_cache():

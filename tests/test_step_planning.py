@@ -5,6 +5,7 @@ CUDA-graph slots. Whole models run in float64 and are compared with ``eager`` (o
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 
@@ -303,6 +304,49 @@ def test_guidance_forward_is_planned_from_its_own_mask(fake_hopper, monkeypatch)
     fa3 = fake_hopper.modules["fa3"]
     assert sorted(p["kv_len"].tolist() for p in fa3.plans) == sorted(main + guided)
     assert fa3.runs == 6 * model.config.num_hidden_layers
+
+
+# ------------------------------------------------------------------------------------------ freed without gc
+def _garbage_of_generate(model, **kwargs) -> list:
+    """The objects a generate() call left in reference cycles (found by Python's garbage collector, not freed when
+    the call returned): the package's own objects and tensors only."""
+    ids, mask, _ = left_padded_batch()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **kwargs)
+        gc.collect()
+        return [o for o in gc.garbage if isinstance(o, torch.Tensor)
+                or type(o).__module__.startswith("hf_flashinfer_mla")]
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+
+
+@pytest.mark.parametrize("kernel", ["reference", "fa3"])
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_a_steps_plan_mask_and_metadata_are_freed_with_its_mask(request, monkeypatch, kernel, cache_implementation):
+    """A step's mask, its plan, rows and kernel metadata form no reference cycle: they are freed when generate()
+    drops the mask, not whenever Python's garbage collector runs. (On a GPU, device memory freed at random moments
+    moved the next generate()'s static cache to other addresses, and torch's CUDA-graph trees recorded every
+    warmed-up call's graphs again: DeepSeek-V2-Lite, H200, 2026-12-01.) The control puts the old cycle back (the
+    plan holding its mask) and must find it."""
+    if kernel == "fa3":
+        request.getfixturevalue("fake_hopper")
+    model = make_model("deepseek_v3")
+    assert _garbage_of_generate(model, cache_implementation=cache_implementation) == []
+
+    original = StepPlan.__init__
+
+    def holding_its_mask(self, mask, *args, **kwargs):  # the control: plan -> mask -> plan
+        original(self, mask, *args, **kwargs)
+        self.held = mask
+
+    monkeypatch.setattr(StepPlan, "__init__", holding_its_mask)
+    kinds = {type(o).__name__ for o in _garbage_of_generate(model, cache_implementation=cache_implementation)}
+    assert {"StepPlan", "Tensor"} <= kinds
 
 
 # ------------------------------------------------------------------------------------------ whole models, fake fa3
@@ -613,7 +657,8 @@ def test_copied_masks_plan_once_per_device_per_step(fake_hopper, monkeypatch, fi
     # excepted, and so is a step after the last; a first copy's own plan reads its rows off the mask.
     ahead = [False] * steps if first_copied == 0 else [False, True, True, True]
     assert [p["ahead"] for p in fa3.plans] == ahead and fa3.runs == steps * 4
-    assert len(built) == steps * built_per_step and sum(adoptions) == steps * adopted_per_step
+    # (+ 1: generate()'s mask update plans the step after the last, which never runs)
+    assert len(built) == steps * built_per_step + 1 and sum(adoptions) == steps * adopted_per_step
     assert_batch_matches_eager_alone(model, out, prompts, 4, TOL)
 
 
@@ -675,8 +720,8 @@ def _graph_step(first, end, kv_len=16, mask=None):
     if mask is None:
         first = torch.tensor(first)
         growing = GrowingMask(first, first, end)
-        return attach_plan(growing.mask(len(first), 1, kv_len, CPU), growing.rows(1, kv_len))
-    return attach_plan(mask)
+        return StepPlan(growing.mask(len(first), 1, kv_len, CPU), growing.rows(1, kv_len))
+    return StepPlan(mask)
 
 
 def _scheduled(slot) -> int:
@@ -767,10 +812,10 @@ def test_graph_shapes_admitted_are_never_refused(monkeypatch, backend):
 
 def test_graph_slot_uploads_the_schedule_planned_ahead(fake_hopper):
     """generate()'s mask update, once it has queued a step, plans the next one over the grown mask
-    (`StepPlan.plan_next`): a CUDA-graph slot computes that schedule on the host only, since the replay still in
-    flight reads the slot's workspace. The next step (its slots loaded before its compiled call) uploads it if its
-    rows are the predicted ones, and plans anew otherwise; nothing is planned ahead for a step that would not fit in
-    the cache."""
+    (`StepPlan.plan_next`): its mask, its plan, and each CUDA-graph slot's schedule, uploaded at once (stream-ordered
+    after the replay in flight, which reads the slot's previous schedule). The mask function hands that step out
+    as it is; a step that finds its slot holding another forward's schedule (one of the same shape run in between)
+    loads its own again; nothing is planned ahead for a step that would not fit in the cache."""
     model = make_model("deepseek_v3")  # only its generate() mask update runs
     layer = _layer(pitch=16, scale=0.25)
     fa3 = fake_hopper.modules
@@ -792,16 +837,18 @@ def test_graph_slot_uploads_the_schedule_planned_ahead(fake_hopper):
     assert len(plans) == 1 and _scheduled(slot) == 0
     mask2d = grow(mask2d)
     assert len(plans) == 2 and plans[1]["ahead"] and plans[1]["kv_len"].tolist() == [8, 11]
-    assert _scheduled(slot) == 0  # not uploaded yet: the slot's workspace still holds this step's schedule
+    assert _scheduled(slot) == 1  # uploaded already
     step(mask2d)
-    assert len(plans) == 2 and _scheduled(slot) == 1  # the schedule planned ahead, uploaded; no plan of its own
+    assert len(plans) == 2 and _scheduled(slot) == 1  # the step planned ahead, handed out: no plan, no upload
     mask2d = grow(mask2d)  # plans width 12 ahead
-    assert len(plans) == 3 and plans[2]["ahead"]
-    other = attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool), _host_rows([3, 0], 13),
-                        growing=GrowingMask.of(mask2d))  # not the predicted rows
+    assert len(plans) == 3 and plans[2]["ahead"] and _scheduled(slot) == 2
+    other = attach_plan(torch.ones(2, 1, 1, 16, dtype=torch.bool), _host_rows([3, 0], 13))  # a forward in between
     other.load_graph_slots()
     assert len(plans) == 4 and _scheduled(slot) == 3 and plans[3]["kv_len"].tolist() == [10, 13]
-    for _ in range(4):
+    step(mask2d)  # the slot holds the other forward's schedule: this step loads its own again
+    assert len(plans) == 5 and _scheduled(slot) == 4 and plans[4]["kv_len"].tolist() == [9, 12]
+    mask2d = grow(mask2d)
+    for _ in range(3):
         step(mask2d)
         mask2d = grow(mask2d)
     assert mask2d.shape[1] == 16 and plans[-1]["kv_len"].tolist() == [13, 16]

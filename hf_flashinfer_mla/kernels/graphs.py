@@ -30,6 +30,10 @@ from . import Refused
 logger = logging.getLogger("hf_flashinfer_mla")
 
 
+def _nobody():
+    return None
+
+
 class SlotRefused(RuntimeError):
     """A slot's kernel cannot serve a step of its shape; raised where a replay of its graph would follow."""
 
@@ -40,13 +44,16 @@ class GraphSlot:
     def __init__(self, family, backend: str, layer, batch: int, q_len: int):
         self.family, self.backend, self.layer, self.batch, self.q_len = family, backend, layer, batch, q_len
         self.meta = family.fixed(backend, layer, batch, q_len)
+        self.holder = _nobody  # (weakly) the step whose metadata the buffers hold
 
     def load(self, step, staged=None) -> None:
         """This step's metadata into the slot's buffers. A step the kernel declines cannot switch backends in a
         replayed graph, so it raises, naming the way out (for instance trtllm-gen with left padding that does not
         start on a page, in a shape captured with aligned rows)."""
+        self.holder = _nobody
         try:
             self.family.build(self.backend, step, self.layer, into=self.meta, staged=staged)
+            self.holder = weakref.ref(step)
         except Refused as exc:
             raise SlotRefused(
                 f"flashinfer_mla: {self.backend} cannot run this step of a CUDA graph captured on it ({exc}), and a "
@@ -85,6 +92,7 @@ def slot(key: tuple, family, backend: str, layer, step) -> GraphSlot | str:
             def build():
                 new = GraphSlot(family, backend, layer, batch, q_len)
                 family.build(backend, step, layer, into=new.meta)  # (a first step declined: capture the reference)
+                new.holder = weakref.ref(step)
                 return new
 
             try:

@@ -3,7 +3,8 @@
 Runs on any device and dtype and for any latent width (``kv_lora_rank``) or rope width. It is the fallback where
 no FlashInfer kernel serves, and the oracle the kernels are tested against. It follows Transformers' ``eager``
 semantics exactly (masked scores filled with the dtype minimum, softmax in at least float32), so in float64 it
-matches ``eager`` to rounding. Its metadata is the step's boolean mask on the layer's device.
+matches ``eager`` to rounding. Its metadata is the step's boolean mask on the layer's device, held weakly: the
+mask owns the step's plan, which holds this metadata (``plan.py`` says why no cycle may form).
 
 A sparse layer (``layer.topk``) gathers the selected rows of each query token and attends over those of them that
 its mask shows (`attend_sparse`): exactly what ``eager`` computes with the indexer's selection folded into its mask,
@@ -12,14 +13,17 @@ without reading the rows it did not select.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
-def build(backend: str, step, layer, into=None, staged=None) -> torch.Tensor:
-    return step.mask_on(layer.device)
+def build(backend: str, step, layer, into=None, staged=None) -> weakref.ref:
+    return weakref.ref(step.mask_on(layer.device))
 
 
-def run(mask, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None, sinks=None) -> torch.Tensor:
+def run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None, sinks=None) -> torch.Tensor:
+    mask = meta() if isinstance(meta, weakref.ref) else meta
     if layer.topk:
         return attend_sparse(mask, indices, layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)
     return attend(mask, layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)

@@ -157,3 +157,46 @@ def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
     assert top1 >= TOP1_MIN
     del model
     torch.cuda.empty_cache()
+
+
+def test_warmed_up_static_generate_records_no_cuda_graph(monkeypatch):
+    """Every static-cache generate() builds a new static cache (Transformers 5.24), whose tensors are static inputs
+    of the CUDA graphs: a call whose cache lands at other addresses records its graphs again, which costs more than
+    the call's replays save. Freed memory is reused at the same addresses only when every call allocates and frees in
+    the same order; a step's plan that formed a reference cycle with its mask was freed whenever Python's garbage
+    collector ran, and DeepSeek-V2-Lite at batch 1 recorded once per call (H200, 2026-12-01: 642 ms a call against
+    sdpa's 498). So calls of one shape, after the first two (compile, then the addresses of the compiled process),
+    record nothing. The control keeps each call's cache alive, as a caller keeping ``out.cache`` does, which moves
+    the next call's cache: it must see recordings."""
+    _available("fa3")
+    torch._dynamo.reset()
+    monkeypatch.setattr(graphs, "_slots", {})
+    monkeypatch.setattr(planning, "_captured", {})
+    model = _model("v3")
+    model.set_attn_implementation("flashinfer_mla")
+    captures = []
+    real_capture_end = torch.cuda.graphs.CUDAGraph.capture_end
+
+    def capture_end(self, *args, **kwargs):
+        captures.append(1)
+        return real_capture_end(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.graphs.CUDAGraph, "capture_end", capture_end)
+    ids, mask = _batch((20, 13), seed=0)
+
+    def recordings(kept=None) -> int:
+        before = len(captures)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             cache_implementation="static", return_dict_in_generate=True)
+        if kept is not None:
+            kept.append(out.cache)
+        return len(captures) - before
+
+    per_call = [recordings() for _ in range(5)]
+    kept = []
+    control = [recordings(kept) for _ in range(3)]
+    print(f"CUDA-graph recordings per static generate() call: {per_call}; keeping each call's cache: {control}")
+    assert per_call[0] >= 1 and per_call[2:] == [0, 0, 0]
+    assert all(n >= 1 for n in control[1:])  # the control moved the cache, and recordings were counted
+    del model, kept
+    torch.cuda.empty_cache()
