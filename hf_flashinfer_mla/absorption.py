@@ -37,9 +37,10 @@ from torch import nn
 
 logger = logging.getLogger("hf_flashinfer_mla")
 
-# A documented cache: each attention module's W_UK/W_UV views of its plain kv_b_proj weight, for inference, keyed by
-# what the views depend on (the weight object, its storage and shape; a view follows the weight's values). Weak, and
-# kept off the module, so an entry dies with its module and deepcopy or a state dict never sees it.
+# A documented cache: each attention module's W_UK/W_UV views of its plain kv_b_proj weight, for inference, with
+# what the views depend on (the linear, its weight and bias objects, their storage and shape; a view follows the
+# weight's values). Weak, and kept off the module, so an entry dies with its module and deepcopy or a state dict
+# never sees it.
 _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _DENSE = "_flashinfer_mla_dense"  # buffer name on kv_b_proj: [rows, rank] (+1 row: the bias) in the activation dtype
@@ -48,14 +49,21 @@ _DENSE = "_flashinfer_mla_dense"  # buffer name on kv_b_proj: [rows, rank] (+1 r
 @dataclass(frozen=True)
 class AbsorbedWeights:
     w_uk: torch.Tensor  # [H, qk_nope_head_dim, kv_lora_rank]
-    w_uv: torch.Tensor  # [H, v_head_dim, kv_lora_rank]
+    w_uv_t: torch.Tensor  # [H, kv_lora_rank, v_head_dim]: W_UV transposed, as the projection multiplies by it
     v_bias: torch.Tensor | None  # [H, v_head_dim]; a key bias cancels in the softmax
     num_heads: int
 
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support
+    class DTensor:  # noqa: D101  (nothing is an instance)
+        pass
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """The local shard of a DTensor (tensor parallelism), any other tensor unchanged (differentiable)."""
-    return t.to_local() if t is not None and hasattr(t, "to_local") and hasattr(t, "placements") else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _is_plain_linear(proj: nn.Module) -> bool:
@@ -68,15 +76,21 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights |
     Call once per layer and step: for a plain linear it only slices the live weight.
     """
     proj = module.kv_b_proj
+    inference = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
+    if inference:  # (autograd: each forward's graph gets its own views; a compiled graph holds its own)
+        hit = _views.get(module)
+        if hit is not None and hit[0] is proj:  # (then a plain nn.Linear: its parameters read off its dict, fast)
+            weight, bias = proj._parameters["weight"], proj._parameters.get("bias")
+            if weight is hit[1] and bias is hit[2] and _storage(weight, bias, hit[3]) == hit[4]:
+                return hit[5]
     if _is_plain_linear(proj):
         weight, bias = _local(proj.weight), _local(proj.bias)
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():  # (autograd: each forward's graph gets its
-            return _split(module, weight, bias)                      # own views; a compiled graph holds its own)
-        key = (id(proj.weight), weight.data_ptr(), weight.shape, None if bias is None else (id(bias), bias.data_ptr()))
-        hit = _views.get(module)
-        if hit is None or hit[0] != key:
-            hit = _views[module] = (key, _split(module, weight, bias))
-        return hit[1]
+        if not inference:
+            return _split(module, weight, bias)
+        views = _split(module, weight, bias)
+        sharded = isinstance(proj.weight, DTensor)
+        _views[module] = (proj, proj.weight, proj.bias, sharded, _storage(proj.weight, proj.bias, sharded), views)
+        return views
     if torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters()):
         return None  # a derived copy would carry no gradient to the module's own parameters
     dense = _dense_copy(proj, module.kv_lora_rank, dtype)
@@ -84,6 +98,15 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights |
         return None
     weight, bias = dense
     return _split(module, weight, bias)
+
+
+def _storage(weight: torch.Tensor, bias: torch.Tensor | None, sharded: bool) -> tuple:
+    """Where a plain linear's weight and bias live (`sharded`: DTensors, whose own data_ptr() is 0: their local
+    shards are what move); with the objects themselves, what the views of `_views` depend on (``.to()`` and
+    ``.half()`` give a parameter new storage, ``load_state_dict`` writes into it)."""
+    if sharded:
+        weight, bias = _local(weight), _local(bias)
+    return weight.data_ptr(), None if bias is None else bias.data_ptr()
 
 
 def _split(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> AbsorbedWeights:
@@ -97,7 +120,7 @@ def _split(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -
     num_heads = rows // (nope + v_dim)
     per_head = weight.unflatten(0, (num_heads, nope + v_dim))
     v_bias = None if bias is None else bias.unflatten(0, (num_heads, nope + v_dim))[:, nope:]
-    return AbsorbedWeights(per_head[:, :nope], per_head[:, nope:], v_bias, num_heads)
+    return AbsorbedWeights(per_head[:, :nope], per_head[:, nope:].transpose(1, 2), v_bias, num_heads)
 
 
 # ------------------------------------------------------------------------------------------------- derived copies
@@ -264,20 +287,20 @@ def absorb_query(q_nope: torch.Tensor, weights: AbsorbedWeights) -> torch.Tensor
     The latent operands stay head-major (row ``b * Sq + s``) from here to the projection: FlashInfer's kernels take
     the strides of their query and output, so no layer copies them into another layout."""
     b, h, s, d = q_nope.shape
-    q = q_nope[:, :, 0].transpose(0, 1) if s == 1 else q_nope.permute(1, 0, 2, 3).reshape(h, b * s, d)
+    q = q_nope.select(2, 0).transpose(0, 1) if s == 1 else q_nope.permute(1, 0, 2, 3).reshape(h, b * s, d)
     return torch.bmm(q, weights.w_uk)  # [H, B*Sq, L]
 
 
 def rope_rows(q_pe: torch.Tensor) -> torch.Tensor:
     """``[B, H, Sq, rope]`` -> ``[B * Sq, H, rope]`` (a view for one query token, as decode has)."""
     b, h, s, r = q_pe.shape
-    return q_pe[:, :, 0] if s == 1 else q_pe.transpose(1, 2).reshape(b * s, h, r)
+    return q_pe.select(2, 0) if s == 1 else q_pe.transpose(1, 2).reshape(b * s, h, r)
 
 
 def project_output(o_lat: torch.Tensor, weights: AbsorbedWeights, batch: int) -> torch.Tensor:
     """Latent attention output ``[H, B * Sq, kv_lora_rank]`` -> ``[B, Sq, H, v_head_dim]`` (the interface's layout)."""
     h, n, _ = o_lat.shape
-    out = torch.bmm(o_lat, weights.w_uv.transpose(1, 2))  # [H, B*Sq, dv]
+    out = torch.bmm(o_lat, weights.w_uv_t)  # [H, B*Sq, dv]
     if weights.v_bias is not None:
         out = out + weights.v_bias[:, None, :]
     return out.view(h, batch, n // batch, -1).permute(1, 2, 0, 3)

@@ -95,7 +95,8 @@ def flashinfer_mla_attention_forward(
             f"query has {query.shape[1]} heads but kv_b_proj holds {weights.num_heads}: q_b_proj/q_proj and "
             "kv_b_proj must be sharded the same way (both column-wise by heads under tensor parallelism)."
         )
-    q_nope, q_pe = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+    nope = module.qk_nope_head_dim
+    q_nope, q_pe = query.narrow(-1, 0, nope), query.narrow(-1, nope, query.shape[-1] - nope)
     q_lat, q_pe = absorb_query(q_nope, weights), rope_rows(q_pe)  # [H, B*Sq, L], [B*Sq, H, R]
     grad = torch.is_grad_enabled() and (q_lat.requires_grad or kv_latent.requires_grad or k_rot.requires_grad)
     topk = 0 if indices is None else indices.shape[-1]

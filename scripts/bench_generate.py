@@ -16,6 +16,7 @@ compiles the decode step with CUDA graphs). Each configuration runs once as warm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -37,6 +38,27 @@ def timed_generate(model, ids, new, static, device) -> float:
     return time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def counted_captures():
+    """The CUDA-graph captures (torch.cuda.CUDAGraph.capture_end calls) made inside the block, as a list."""
+    captures = []
+    if not torch.cuda.is_available():
+        yield captures
+        return
+    graph = torch.cuda.graphs.CUDAGraph
+    real = graph.capture_end
+
+    def capture_end(self, *args, **kwargs):
+        captures.append(1)
+        return real(self, *args, **kwargs)
+
+    graph.capture_end = capture_end
+    try:
+        yield captures
+    finally:
+        graph.capture_end = real
+
+
 def run(model, attn, batch, args, device) -> dict:
     rec = {"attn": attn, "batch": batch, "prompt": args.prompt, "new": args.new, "static": args.static,
            "status": "ok"}
@@ -48,7 +70,9 @@ def run(model, attn, batch, args, device) -> dict:
         # CUDA graphs record) per cache length, so a static run warms up twice at the length it then times.
         for _ in range(2 if args.static else 1):
             timed_generate(model, ids, args.new if args.static else min(args.new, 8), args.static, device)
-        full = [timed_generate(model, ids, args.new, args.static, device) for _ in range(args.repeats)]
+        with counted_captures() as captures:  # CUDA graphs recorded during the timed calls (0 in a steady state)
+            full = [timed_generate(model, ids, args.new, args.static, device) for _ in range(args.repeats)]
+        rec["graphs_recorded_timed"] = len(captures)
         if args.static:  # the one-token run has a cache length of its own: warm it up too
             timed_generate(model, ids, 1, args.static, device)
         one = [timed_generate(model, ids, 1, args.static, device) for _ in range(args.repeats)]
@@ -105,10 +129,11 @@ def main(argv=None) -> int:
         rows.append([args.model, str(r["batch"]), r["attn"], bc.fmt(r.get("tokens_per_s") if ok else None, ".1f"),
                      bc.fmt(r.get("decode_tokens_per_s") if ok else None, ".1f"),
                      bc.fmt(r.get("decode_ms_per_step") if ok else None), bc.fmt(ratio),
-                     "" if ok else r["status"].upper()])
+                     str(r.get("graphs_recorded_timed", "")), "" if ok else r["status"].upper()])
     print()
-    bc.print_table(["model", "B", "attn", "tok/s", "decode tok/s", "ms/step", "vs sdpa", ""], rows,
-                   [f"prompt {args.prompt} tokens, {args.new} new tokens, greedy; vs sdpa = decode tok/s ratio"])
+    bc.print_table(["model", "B", "attn", "tok/s", "decode tok/s", "ms/step", "vs sdpa", "graphs rec.", ""], rows,
+                   [f"prompt {args.prompt} tokens, {args.new} new tokens, greedy; vs sdpa = decode tok/s ratio; "
+                    "graphs rec. = CUDA graphs recorded during the timed full-length calls (0: a steady state)"])
     path = bc.write_json(args.out, name, payload)
     if path:
         print(f"wrote {path}")

@@ -79,15 +79,17 @@ def refusal_for_every_step(layer, batch: int, q_len: int) -> str | None:
 # --------------------------------------------------------------------------------------------------------------
 # Operands
 # --------------------------------------------------------------------------------------------------------------
-def cache_rows(latent: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, S, D]`` cache view -> ``[rows, 1, D]`` view of its storage (sequence ``b`` at rows ``b * pitch``)."""
-    if latent.stride(-1) != 1:
+def cache_rows(latent: torch.Tensor, pitch: int | None = None) -> torch.Tensor:
+    """``[B, 1, S, D]`` cache view -> ``[rows, 1, D]`` view of its storage (sequence ``b`` at rows ``b * pitch``;
+    `pitch`: the layer's, else read off the view)."""
+    b, _, n, d = latent.shape
+    batch_stride, _, row, last = latent.stride()
+    if last != 1:
         raise ValueError("the latent cache must be contiguous in its last dimension")
-    row = latent.stride(2)
-    if latent.shape[0] > 1 and latent.stride(0) % row:
-        raise ValueError(f"cache batch stride {latent.stride(0)} is not a whole number of rows of {row}")
-    rows = (latent.shape[0] - 1) * cache_pitch(latent) + latent.shape[2]
-    return latent.as_strided((rows, 1, latent.shape[-1]), (row, row, 1), latent.storage_offset())
+    if b > 1 and batch_stride % row:
+        raise ValueError(f"cache batch stride {batch_stride} is not a whole number of rows of {row}")
+    rows = (b - 1) * (cache_pitch(latent) if pitch is None else pitch) + n
+    return latent.as_strided((rows, 1, d), (row, row, 1), latent.storage_offset())
 
 
 def addressing(rows: Rows, pitch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,7 +448,7 @@ def ahead(meta: FaMetadata, rows: Rows, layer):
 def run(meta: FaMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None) -> torch.Tensor:
     """The kernel call (``kernels/__init__.py`` gives the operands' layouts). `kv_scales`: the (latent, rope)
     dequantization scales of an FP8 cache, read in place; `indices`: a sparse layer's selection."""
-    ckv, kpe = cache_rows(kv_latent), cache_rows(k_rot)
+    ckv, kpe = cache_rows(kv_latent, layer.pitch), cache_rows(k_rot, layer.pitch)
     out = torch.empty_like(q_lat)
     q_nope, o = q_lat.transpose(0, 1), out.transpose(0, 1)  # [N, H, L] views: the kernels take their strides
     kv_indices = meta.kv_indices

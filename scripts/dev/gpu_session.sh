@@ -17,6 +17,9 @@
 #                                           # serving benchmark on the V3 attention shape (the three modes and the
 #                                           # SDPA-prefill A/B), the host-time profile of a CUDA-graph step (32 x 4k)
 #   bash scripts/dev/gpu_session.sh cbv2    # the serving benchmark on DeepSeek-V2-Lite: ragged prefill A/B
+#   bash scripts/dev/gpu_session.sh round   # the new GPU test of warmed-up static generate(); V2-Lite static
+#                                           # generate() at batch 1 and 8; the CUDA-graph target cell; host per layer
+#                                           # against ab_old/; four V3-shape eager cells
 #   bash scripts/dev/gpu_session.sh replay  # where a CUDA-graph step's time goes (V3 shape, 32 x 4k): kernels per
 #                                           # category and the host's segments, flashinfer_mla and sdpa
 set -uo pipefail
@@ -98,4 +101,22 @@ case "$1" in
     run 190 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
         --attn sdpa flashinfer_mla --repeats 2 --out "$O" --name generate_v2lite_static.json
     for f in host_ab grid graphs generate; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -30; done ;;
+  round)
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_graphs.py -k records_no -s 2>&1 \
+      | tee "$O/gpu_graphs_test.txt" | grep -E "recordings|passed|failed|Error" | tail -8
+    cd "$ROOT/scripts"
+    run 300 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
+        --attn sdpa flashinfer_mla --repeats 2 --out "$O" --name generate_v2lite_static.json
+    run 85 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
+        --steps 10 --time-limit 70 --out "$O" --name decode_graphs_target.json
+    for v in old new; do
+      if [ $v = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
+      PYTHONPATH=$pp run 45 host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
+        --attn flashinfer_mla --steps 10 --out "$O" --name host_${v}.json
+      echo "== $v" >> "$O/host_ab.txt"
+    done
+    cd "$ROOT/scripts"
+    run 50 eager.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 32 --context 1024 4096 --steps 6 \
+        --warmup 2 --time-limit 40 --out "$O" --name decode_eager_cells.json
+    for f in generate graphs host_ab eager; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -22; done ;;
 esac
