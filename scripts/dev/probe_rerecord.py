@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Why a warmed-up static-cache ``generate()`` records CUDA graphs again: runs the same call several times per
 attention implementation with torch's cudagraph-tree log at DEBUG (``TORCH_LOGS=+cudagraphs``), and prints, per
-call, its wall time and what the tree did (warm-ups, recordings, and each re-recording's reason: the graph input
-whose address or liveness changed).
+call, its wall time and what the tree did (warm-ups, graphs recorded, and why recorded graphs failed a step's
+checks: the graph input whose address or liveness changed).
 
     python scripts/dev/probe_rerecord.py --model deepseek-v2-lite --batch 1 --calls 4 --out OUT
 """
@@ -60,11 +60,12 @@ def main(argv=None) -> int:
             start = len(collect.lines)
             seconds = timed_generate(model, ids, args.new, True, device)
             lines = collect.lines[start:]
-            kinds = {k: sum(k in line for line in lines) for k in ("Running warmup", "Running eager", "Recording",
-                                                                    "Re-recording")}
-            cache = getattr(model, "_cache", None)
-            ptr = cache.layers[0].keys.data_ptr() if cache is not None and cache.layers[0].is_initialized else None
-            head = f"== {attn} call {call}: {seconds * 1e3:.1f} ms; {kinds}; cache {id(cache):x} keys {ptr}"
+            # (torch logs "Re-recording" for every recorded graph whose invariants a step fails, also when another
+            # recorded graph then matches: "Recording" counts the graphs actually recorded)
+            counts = {name: sum(key in line for line in lines) for name, key in (
+                ("warm-ups", "Running warmup"), ("eager runs", "Running eager"), ("recorded", "Recording"),
+                ("failed checks", "Re-recording"))}
+            head = f"== {attn} call {call}: {seconds * 1e3:.1f} ms; {counts}"
             reasons = sorted({line.split("reason=")[-1].split(". input stack trace")[0][:300]
                               for line in lines if "Re-recording" in line})
             report += [head] + ["   re-recorded: " + r for r in reasons]
