@@ -31,6 +31,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   echo "package sha256: $(cat hf_flashinfer_mla/*.py hf_flashinfer_mla/kernels/*.py | sha256sum | cut -c1-16)"; } > "$O/date_$1.txt" 2>&1
 cat "$O/date_$1.txt"
 run() { local limit=$1 log=$2; shift 2; echo "## $*" >> "$O/$log"; timeout "$limit" "$@" >> "$O/$log" 2>&1 || echo "exit $?" >> "$O/$log"; }
+# Host time per layer, this package against the revision unpacked in ab_old/, in the order given (old*, new*).
+host_ab() {
+  local limit=$1 v pp; shift
+  for v in "$@"; do
+    if [ "${v%2}" = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
+    PYTHONPATH=$pp run "$limit" host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
+      --attn flashinfer_mla --steps 10 --out "$O" --name "host_${v}.json"
+    echo "== $v" >> "$O/host_ab.txt"
+  done
+  cd "$ROOT/scripts"
+}
 case "$1" in
   tests)
     timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu -s 2>&1 | tee "$O/gpu_tests.txt" \
@@ -68,13 +79,7 @@ case "$1" in
         --modes cb-flashinfer_mla cb-flashinfer_mla-sdpa-prefill
     echo "== serving_v2"; grep -v "^  \|Loading" "$O/serving_v2.txt" | tail -25 ;;
   hostab)
-    for v in old new old2 new2; do
-      if [ ${v%2} = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
-      PYTHONPATH=$pp run 60 host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
-        --attn flashinfer_mla --steps 10 --out "$O" --name host_${v}.json
-      echo "== $v" >> "$O/host_ab.txt"
-    done
-    cd "$ROOT/scripts"
+    host_ab 60 old new old2 new2
     run 300 serving.txt python3 bench_serving.py --model deepseek-v2-lite --no-progress --out "$O"
     for f in host_ab serving; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -40; done ;;
   replay)
@@ -87,13 +92,7 @@ case "$1" in
         hf_flashinfer_mla.plan:StepPlan.plan_next --out "$O" --name replay.json
     grep -A12 "^== \|categories\|host per step" "$O/replay.txt" | grep -v "^  \|Loading\|warn" ;;
   bench)
-    for v in old new; do
-      if [ $v = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
-      PYTHONPATH=$pp run 50 host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
-        --attn flashinfer_mla --steps 10 --out "$O" --name host_${v}.json
-      echo "== $v" >> "$O/host_ab.txt"
-    done
-    cd "$ROOT/scripts"
+    host_ab 50 old new
     run 170 grid.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 8 32 128 --context 1024 4096 16384 32768 \
         --steps 6 --warmup 2 --time-limit 140 --out "$O" --name decode_eager.json
     run 100 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
@@ -109,13 +108,7 @@ case "$1" in
         --attn sdpa flashinfer_mla --repeats 2 --out "$O" --name generate_v2lite_static.json
     run 85 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
         --steps 10 --time-limit 70 --out "$O" --name decode_graphs_target.json
-    for v in old new; do
-      if [ $v = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
-      PYTHONPATH=$pp run 45 host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
-        --attn flashinfer_mla --steps 10 --out "$O" --name host_${v}.json
-      echo "== $v" >> "$O/host_ab.txt"
-    done
-    cd "$ROOT/scripts"
+    host_ab 45 old new
     run 50 eager.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 32 --context 1024 4096 --steps 6 \
         --warmup 2 --time-limit 40 --out "$O" --name decode_eager_cells.json
     for f in generate graphs host_ab eager; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -22; done ;;
