@@ -158,16 +158,8 @@ def _check_pitch(kv_latent: torch.Tensor, k_rot: torch.Tensor) -> None:
 
 def _check_latent(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rank, rope = module.kv_lora_rank, module.qk_rope_head_dim
-    ok = (
-        key.dim() == 4
-        and value.dim() == 4
-        and key.shape[1] == 1
-        and value.shape[1] == 1
-        and key.shape[-1] == rank
-        and value.shape[-1] == rope
-        and key.shape[:3] == value.shape[:3]
-    )
-    if not ok:
+    if not (key.dim() == value.dim() == 4 and key.shape[:3] == value.shape[:3] and key.shape[1] == 1
+            and (key.shape[-1], value.shape[-1]) == (rank, rope)):
         raise CacheLayoutError(
             f"{ATTN_NAME} expects the cache to return the MLA latent ([batch, 1, seq, {rank}] and "
             f"[batch, 1, seq, {rope}]) but got {tuple(key.shape)} and {tuple(value.shape)}. Use Transformers' "

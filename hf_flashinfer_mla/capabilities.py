@@ -99,18 +99,6 @@ def unavailable_reason(
     return _flashinfer_import_error()
 
 
-def preferred_kernel(cc: tuple[int, int], num_heads: int) -> str | None:
-    """The kernel `auto` picks for a compute capability, before checking dtype and dims. fa3 and fa2 refuse for the
-    same reasons (dtype, latent dims, FlashInfer missing), so on Hopper there is no second choice to try."""
-    if cc in BLACKWELL:
-        return "trtllm-gen" if trtllm_gen_supports_num_heads(num_heads) else "cute-dsl"
-    if cc[0] == 9:
-        return "fa3"
-    if cc >= (8, 0):
-        return "fa2"
-    return None
-
-
 def validate_backend(value: str, source: str) -> str:
     """`value` if it names a backend; otherwise raise, naming where the value came from."""
     if value not in BACKENDS:
@@ -120,26 +108,22 @@ def validate_backend(value: str, source: str) -> str:
     return value
 
 
-def _resolve(call_value: str | None, load_value: str | None) -> str:
-    """The one precedence rule: this call's keyword, then the load option, then the environment, then auto."""
-    for value, source in (
-        (call_value, "mla_backend= of this call"),
-        (load_value, "mla_backend= given when the model was loaded"),
-        (os.environ.get(ENV_VAR), f"${ENV_VAR}"),
-    ):
-        if value:
-            return validate_backend(value, source)
-    return "auto"
-
-
 def load_backend(config) -> str | None:
     """The ``mla_backend=`` given to ``from_pretrained``/``from_config`` of the model that owns `config`, if any."""
     return getattr(config, LOAD_ATTR, None)
 
 
 def requested_backend(call_value: str | None = None, config=None) -> str:
-    """The backend asked for: `call_value`, then the load option kept on `config`, then ``$HF_FLASHINFER_MLA_BACKEND``."""
-    return _resolve(call_value, load_backend(config))
+    """The one precedence rule: `call_value` (this call's keyword), then the load option kept on `config`, then
+    ``$HF_FLASHINFER_MLA_BACKEND``, then ``auto``."""
+    for value, source in (
+        (call_value, "mla_backend= of this call"),
+        (load_backend(config), "mla_backend= given when the model was loaded"),
+        (os.environ.get(ENV_VAR), f"${ENV_VAR}"),
+    ):
+        if value:
+            return validate_backend(value, source)
+    return "auto"
 
 
 def backend_and_reason(
@@ -162,10 +146,13 @@ def backend_and_reason(
             )
         return requested, None
     cc = device_capability(device)
-    kernel = None if cc is None else preferred_kernel(cc, num_heads)
-    if kernel is None:
-        if cc is None:
-            return "reference", f"it needs an NVIDIA GPU and the tensors are on {device.type}"
+    if cc is None:
+        return "reference", f"it needs an NVIDIA GPU and the tensors are on {device.type}"
+    # The GPU's own kernel. fa3 and fa2 refuse for the same reasons (dtype, latent dims, FlashInfer missing), so on
+    # Hopper there is no second choice to try.
+    tile = trtllm_gen_supports_num_heads(num_heads)
+    kernel = ("trtllm-gen" if tile else "cute-dsl") if cc in BLACKWELL else "fa3" if cc[0] == 9 else "fa2"
+    if cc < (8, 0):
         return "reference", f"no FlashInfer MLA kernel supports compute capability {cc[0]}.{cc[1]}"
     reason = unavailable_reason(kernel, device, dtype, kv_lora_rank, rope_dim, num_heads)
     if reason:

@@ -87,7 +87,7 @@ def flashinfer_mla_mask(
     if compiling:
         note_mask_built_in_graph()
         return mask
-    return _planned(mask, attach_plan(mask, rows, kwargs.get("config"), growing), growing)
+    return _planned(mask, attach_plan(mask, rows, kwargs.get("config")), growing)
 
 
 def _planned(mask: torch.Tensor, plan, growing) -> torch.Tensor:

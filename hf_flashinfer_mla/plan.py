@@ -75,7 +75,7 @@ class Route:
 class StepPlan:
     """Everything the decode layers of one forward step share, on every device the model runs on."""
 
-    def __init__(self, mask: torch.Tensor, rows: Rows | None = None, config=None, growing=None):
+    def __init__(self, mask: torch.Tensor, rows: Rows | None = None, config=None):
         if mask.dim() != 4:
             raise ValueError(f"expected a 4D attention mask [batch, 1, q_len, kv_len], got shape {tuple(mask.shape)}")
         self.source_shape, self.source_dtype = tuple(mask.shape), mask.dtype
@@ -91,9 +91,7 @@ class StepPlan:
         self._rows = rows
         self.config = config  # of the model whose mask function built it (None: a mask from elsewhere)
         self.routes: dict[tuple, Route] = {}
-        # What the previous step planned for this one, if its rows are these (`plan_next`).
-        ahead = growing.ahead if growing is not None and rows is not None else {}
-        self._ahead = {key: value for key, value in ahead.items() if rows.same_as(value[0])} if ahead else {}
+        self._ahead: dict[tuple, Any] = {}  # what the previous step planned for this one (`plan_next`)
         self._loaded: set[tuple] = set()  # graph slots this step has loaded
         self.slot_refusals: dict[tuple, str] = {}  # slots of this shape whose kernel cannot serve this step
         self.consumers: set[int] = set()  # attention modules that ran on this plan (see `step_plan`)
@@ -130,18 +128,14 @@ class StepPlan:
 
         A step that autograd must differentiate (a training forward of <= 8 tokens) runs on the reference backend:
         FlashInfer's kernels have no backward, and gradients must not silently stop at the attention."""
-        route = self.routes.get(key)
-        if route is not None:
-            return route
-        ahead = self._ahead.pop(("route", key), None)
-        if ahead is not None:  # planned by the previous step, for exactly these rows
-            self.routes[key] = ahead[1]
-            return ahead[1]
-        backend = self._backend(layer, requested, grad)
-        chain = capabilities.fallbacks(backend, layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
-                                       layer.kv_dtype == FP8)
-        route = self.routes[key] = first_accepting(
-            chain, layer, lambda candidate, reads: FAMILIES[candidate].build(candidate, self, reads), self.q_len)
+        route = self.routes.get(key) or self._ahead.pop(("route", key), None)  # (or planned by the previous step)
+        if route is None:
+            backend = self._backend(layer, requested, grad)
+            chain = capabilities.fallbacks(backend, layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
+                                           layer.kv_dtype == FP8)
+            route = first_accepting(
+                chain, layer, lambda candidate, reads: FAMILIES[candidate].build(candidate, self, reads), self.q_len)
+        self.routes[key] = route
         return route
 
     @staticmethod
@@ -189,37 +183,33 @@ class StepPlan:
         # (another forward of the same shape may have loaded the slot since this plan did: the guidance forward of
         # classifier-free guidance, a second model of a logits processor)
         if key not in self._loaded or slot.holder() is not self:
-            staged = self._ahead.pop(("slot", key), (None, None))[1]
-            slot.load(self, staged)
+            slot.load(self, self._ahead.pop(("slot", key), None))
             self._loaded.add(key)
 
     # ------------------------------------------------------------------------------------------ planning ahead
     def plan_next(self, growing) -> None:
         """Plan the next step now, for the rows of `growing` (the next 2D mask): called by ``generate()``'s mask
         update once it has queued this step, so that the host plans while the GPU still runs this step (it would
-        otherwise plan after ``generate()`` has waited for this step's tokens). What each kernel can plan ahead
-        (``ahead`` of its family) goes onto `growing`; the next step takes it if its rows are the ones predicted."""
+        otherwise plan after ``generate()`` has waited for this step's tokens). The next step's mask and plan, with
+        what each kernel can plan ahead (``ahead`` of its family) and its CUDA-graph slots reloaded (stream-ordered
+        after this step's replay), wait on `growing` for the mask function to hand them out
+        (`GrowingMask.take_next`)."""
         rows = (growing.rows(self.q_len, max(self.kv_len, growing.width))  # (a dynamic cache grows to the width)
                 if self._rows is not None and self._rows.end else None)
-        if rows is None:
-            return
+        kv_len = self.kv_len if rows is None or self.kv_len > self._rows.end else growing.width  # static, or growing
+        if rows is None or growing.width > kv_len:
+            return  # rows not known ahead, or a full static cache: there is no next step
+        mask = growing.mask(self.batch_size, self.q_len, kv_len, self.device)
+        step = attach_plan(mask, rows, self.config, current=False)
         for key, route in self.routes.items():
             ahead = getattr(FAMILIES[route.backend], "ahead", None)
             meta = None if ahead is None else ahead(route.meta, rows, route.layer)
             if meta is not None:
-                growing.ahead[("route", key)] = (rows, dataclasses.replace(route, meta=meta))
+                step._ahead[("route", key)] = dataclasses.replace(route, meta=meta)
         for key, slot in graphs.slots_for(self.batch_size, self.q_len, self.kv_len):
             staged = slot.ahead(rows) if key in self._loaded else None
             if staged is not None:
-                growing.ahead[("slot", key)] = (rows, staged)
-        # The next step's mask and plan, with its CUDA-graph slots reloaded (stream-ordered after this step's
-        # replay), so that the mask function only hands them out (`GrowingMask.take_next`): none of it waits for
-        # generate() to have this step's tokens.
-        kv_len = self.kv_len if self.kv_len > self._rows.end else growing.width  # a static cache, or a growing one
-        if growing.width > kv_len:
-            return  # a full static cache: there is no next step
-        mask = growing.mask(self.batch_size, self.q_len, kv_len, self.device)
-        step = attach_plan(mask, rows, self.config, growing, current=False)
+                step._ahead[("slot", key)] = staged
         step.load_graph_slots()
         growing.next_step = ((self.batch_size, self.q_len, kv_len, self.device, id(self.config)), mask, step)
 
@@ -302,11 +292,10 @@ def _report(refusals: list, route: Route, q_len: int, layer: Layer) -> None:
 _current: dict[int, weakref.ref] = {}
 
 
-def attach_plan(mask: torch.Tensor, rows: Rows | None = None, config=None, growing=None,
-                current: bool = True) -> StepPlan:
+def attach_plan(mask: torch.Tensor, rows: Rows | None = None, config=None, current: bool = True) -> StepPlan:
     """Build the plan for this step's `mask` and attach it to the tensor; `current`: it is its model's current
     step (False for a step planned ahead, which becomes current when the mask function hands it out)."""
-    plan = StepPlan(mask, rows, config, growing)
+    plan = StepPlan(mask, rows, config)
     if mask.dtype == torch.bool:
         del plan._masks[mask.device]  # the mask owns the plan: held weakly from here on
     setattr(mask, PLAN_ATTR, plan)

@@ -52,6 +52,7 @@ from .plan import plan_of
 from .rows import GrowingMask
 
 logger = logging.get_logger("hf_flashinfer_mla")
+PATCHED = "_flashinfer_mla_patch"  # marks the functions this module put into Transformers
 
 
 def _text_config_key(config, text_config) -> str:
@@ -92,27 +93,16 @@ def _adopt(model: PreTrainedModel, is_init_check: bool, original) -> str:
 
 
 def _checked(original):
+    # Wraps both `_check_and_adjust_attn_implementation` (from_pretrained, from_config, set_attn_implementation) and
+    # `get_correct_attn_implementation`, through which `set_attn_implementation` sets sub-models (a multimodal
+    # model's text model): without the check there, the text model would run flashinfer_mla with expand_kv unhooked.
     @functools.wraps(original)
-    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
+    def check(self, attn_implementation, is_init_check=False, **kwargs):
         if attn_implementation != ATTN_NAME:
             return original(self, attn_implementation, is_init_check, **kwargs)
         return _adopt(self, is_init_check, functools.partial(original, **kwargs))
 
-    _check_and_adjust_attn_implementation._flashinfer_mla_check = True
-    return _check_and_adjust_attn_implementation
-
-
-def _checked_submodel(original):
-    # `set_attn_implementation` sets sub-models (a multimodal model's text model) through this method, not the one
-    # above; without the same check the text model would run flashinfer_mla with its expand_kv not hooked.
-    @functools.wraps(original)
-    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
-        if requested_attention != ATTN_NAME:
-            return original(self, requested_attention, is_init_check)
-        return _adopt(self, is_init_check, original)
-
-    get_correct_attn_implementation._flashinfer_mla_check = True
-    return get_correct_attn_implementation
+    return check
 
 
 def _with_load_option(original):
@@ -128,7 +118,6 @@ def _with_load_option(original):
             setattr(model.config.get_text_config(decoder=True), LOAD_ATTR, mla_backend)
         return loaded
 
-    load._flashinfer_mla_load = True
     return classmethod(load)
 
 
@@ -141,7 +130,6 @@ def _not_serialized(original):
         output.pop(LOAD_ATTR, None)
         return output
 
-    to_dict._flashinfer_mla_not_serialized = True
     return to_dict
 
 
@@ -156,7 +144,6 @@ def _validated_generate_kwargs(original):
             requested_backend(value, text_config)
         return original(self, model_kwargs)
 
-    _validate_model_kwargs._flashinfer_mla_backend_check = True
     return _validate_model_kwargs
 
 
@@ -182,7 +169,6 @@ def _latent_cache_by_default(original):
                     cache.layers[i] = MLAStaticLayer(layer.max_cache_len)
         return result
 
-    _prepare_cache_for_generation._flashinfer_mla_cache = True
     return _prepare_cache_for_generation
 
 
@@ -208,7 +194,6 @@ def _growing_masks(original):
                     growing.last_plan.plan_next(grown)  # this step is queued: plan the next while the GPU runs it
         return result
 
-    _update_model_kwargs_for_generation._flashinfer_mla_rows = True
     return _update_model_kwargs_for_generation
 
 
@@ -224,7 +209,6 @@ def _rows_kept_on_copies(original):
                 growing.attach(result[1])
         return result
 
-    _preprocess_mask_arguments._flashinfer_mla_rows = True
     return _preprocess_mask_arguments
 
 
@@ -252,7 +236,6 @@ def _slots_checked_before_compiled_steps(original):
 
         return compiled_step
 
-    get_compiled_call._flashinfer_mla_graphs = True
     return get_compiled_call
 
 
@@ -272,7 +255,6 @@ def _manager_checked(original):
         if paged.uses_latent(self.model.config.get_text_config()):
             paged.disable_graphs(self.continuous_batching_config)
 
-    __init__._flashinfer_mla_cb = True
     return __init__
 
 
@@ -286,7 +268,6 @@ def _latent_paged_cache(original):
             return original(self, config, *args, **kwargs)
         return paged.build_paged_cache(original, self, config, *args, **kwargs)
 
-    __init__._flashinfer_mla_cb = True
     return __init__
 
 
@@ -299,36 +280,38 @@ def _paged_steps(original):
         original(self, *args, **kwargs)
         paged.prepare_step(self.cache, self.requests_in_batch, self.num_q_tokens)
 
-    prepare_batch_tensors._flashinfer_mla_cb = True
     return prepare_batch_tensors
 
 
 def _register_continuous_batching() -> None:
     from transformers.generation.continuous_batching import cache as cb_cache, continuous_api, input_outputs
 
-    _patch(continuous_api.ContinuousBatchingManager, "__init__", _manager_checked, "_flashinfer_mla_cb")
-    _patch(cb_cache.PagedAttentionCache, "__init__", _latent_paged_cache, "_flashinfer_mla_cb")
-    _patch(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", _paged_steps, "_flashinfer_mla_cb")
+    _patch(continuous_api.ContinuousBatchingManager, "__init__", _manager_checked)
+    _patch(cb_cache.PagedAttentionCache, "__init__", _latent_paged_cache)
+    _patch(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", _paged_steps)
 
 
-def _patch(owner, name: str, wrap, marker: str, unwrap=lambda f: f) -> None:
+def _patch(owner, name: str, wrap, unwrap=lambda f: f) -> None:
+    """Replace ``owner.name`` by ``wrap(original)``, once: the wrapper's function carries `PATCHED`."""
     current = getattr(owner, name)
-    if not getattr(current, marker, False):
-        setattr(owner, name, wrap(unwrap(current)))
+    if not getattr(current, PATCHED, False):
+        wrapped = wrap(unwrap(current))
+        setattr(getattr(wrapped, "__func__", wrapped), PATCHED, True)  # (a classmethod: on its function)
+        setattr(owner, name, wrapped)
 
 
 def register() -> None:
     """Register ``"flashinfer_mla"`` with Transformers. Importing the package does this; calling it again is a no-op."""
     AttentionInterface.register(ATTN_NAME, flashinfer_mla_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, flashinfer_mla_mask)
-    _patch(PreTrainedModel, "_check_and_adjust_attn_implementation", _checked, "_flashinfer_mla_check")
-    _patch(PreTrainedModel, "get_correct_attn_implementation", _checked_submodel, "_flashinfer_mla_check")
+    _patch(PreTrainedModel, "_check_and_adjust_attn_implementation", _checked)
+    _patch(PreTrainedModel, "get_correct_attn_implementation", _checked)
     for name in ("from_pretrained", "_from_config"):
-        _patch(PreTrainedModel, name, _with_load_option, "_flashinfer_mla_load", unwrap=lambda m: m.__func__)
-    _patch(PreTrainedConfig, "to_dict", _not_serialized, "_flashinfer_mla_not_serialized")
-    _patch(GenerationMixin, "_validate_model_kwargs", _validated_generate_kwargs, "_flashinfer_mla_backend_check")
-    _patch(GenerationMixin, "_prepare_cache_for_generation", _latent_cache_by_default, "_flashinfer_mla_cache")
-    _patch(GenerationMixin, "_update_model_kwargs_for_generation", _growing_masks, "_flashinfer_mla_rows")
-    _patch(masking_utils, "_preprocess_mask_arguments", _rows_kept_on_copies, "_flashinfer_mla_rows")
-    _patch(PreTrainedModel, "get_compiled_call", _slots_checked_before_compiled_steps, "_flashinfer_mla_graphs")
+        _patch(PreTrainedModel, name, _with_load_option, unwrap=lambda m: m.__func__)
+    _patch(PreTrainedConfig, "to_dict", _not_serialized)
+    _patch(GenerationMixin, "_validate_model_kwargs", _validated_generate_kwargs)
+    _patch(GenerationMixin, "_prepare_cache_for_generation", _latent_cache_by_default)
+    _patch(GenerationMixin, "_update_model_kwargs_for_generation", _growing_masks)
+    _patch(masking_utils, "_preprocess_mask_arguments", _rows_kept_on_copies)
+    _patch(PreTrainedModel, "get_compiled_call", _slots_checked_before_compiled_steps)
     _register_continuous_batching()

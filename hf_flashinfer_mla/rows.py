@@ -56,12 +56,6 @@ class Rows:
     def batch(self) -> int:
         return self.lens.numel()
 
-    def same_as(self, other: Rows | None) -> bool:
-        return (
-            other is not None and self.q_len == other.q_len and self.first is not None and other.first is not None
-            and torch.equal(self.lens, other.lens) and torch.equal(self.first, other.first)
-        )
-
     def qo_indptr(self) -> torch.Tensor:
         return torch.arange(self.batch + 1, dtype=torch.int32) * self.q_len
 
@@ -126,16 +120,14 @@ class GrowingMask:
     positions are ``[first[b], width)``. Attached to the mask tensor it describes (`of`, `attach`).
 
     It also carries what the step over this mask planned ahead for the next one: `last_plan` is the latest step
-    planned over it, `ahead` the kernel metadata that step built for the next mask, and `next_step` the next
-    step's mask and plan, ready for the mask function if it is asked for exactly that step
-    (``plan.StepPlan.plan_next``).
+    planned over it, and `next_step` the next step's mask and plan, ready for the mask function if it is asked
+    for exactly that step (``plan.StepPlan.plan_next``).
     """
 
     first: torch.Tensor  # [B] int64, host
     first_on_device: torch.Tensor  # the same, where the mask lives
     width: int
     last_plan: Any = None
-    ahead: dict = field(default_factory=dict)
     next_step: tuple | None = None  # ((batch, q_len, kv_len, device, config), 4D mask, its plan)
     # Per device, [B, 1, 1, capacity] int32: position j where j >= first[b], else past every mask (see `mask`).
     # Shared by the grown masks of one generate() call, whose rows all start there.

@@ -41,7 +41,7 @@ def test_register_is_idempotent():
     hf_flashinfer_mla.register()
     after = PreTrainedModel._check_and_adjust_attn_implementation
     assert after is before
-    assert not getattr(after.__wrapped__, "_flashinfer_mla_check", False)  # wrapped exactly once
+    assert not getattr(after.__wrapped__, "_flashinfer_mla_patch", False)  # wrapped exactly once
     make_model("deepseek_v3")
     make_model("deepseek_v3")
     expand_kv = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention.expand_kv

@@ -316,7 +316,6 @@ class FaMetadata:
 class Staged:
     """A fixed slot's next schedule, computed on the host ahead of its step (`ahead`), uploaded by `build`."""
 
-    rows: Rows
     plan_info: list
     layout: tuple
     nbytes: int
@@ -388,7 +387,7 @@ def _rebuild_fixed(meta: FaMetadata, step, layer, staged: Staged | None) -> FaMe
             wrapper_plan(meta.wrapper, rows, indices, meta.causal, layer)
             _set_indices(meta, indices)
             return meta
-        if staged is not None and staged.rows.same_as(rows):
+        if staged is not None:
             meta.staging_read = upload(meta.staging, staged.nbytes, meta.int_workspace)
             plan_info, layout = staged.plan_info, staged.layout
         else:
@@ -442,7 +441,7 @@ def ahead(meta: FaMetadata, rows: Rows, layer):
                                                  meta.int_workspace, meta.staging)
     except Refused:
         return None  # the next step plans (and reports) it itself
-    return Staged(rows, plan_info, tuple(plan_info), nbytes)
+    return Staged(plan_info, tuple(plan_info), nbytes)
 
 
 def run(meta: FaMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None) -> torch.Tensor:

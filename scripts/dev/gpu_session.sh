@@ -22,6 +22,10 @@
 #                                           # against ab_old/; four V3-shape eager cells
 #   bash scripts/dev/gpu_session.sh replay  # where a CUDA-graph step's time goes (V3 shape, 32 x 4k): kernels per
 #                                           # category and the host's segments, flashinfer_mla and sdpa
+#   bash scripts/dev/gpu_session.sh grid    # the V3-shape eager grid; its batch-1 1k cell three more times (the
+#                                           # cell closest to even); the CUDA-graph target cell
+#   bash scripts/dev/gpu_session.sh gen     # V2-Lite static-cache generate() at batch 1 and 8; host per layer
+#                                           # against ab_old/ (alternated: old new old new)
 set -uo pipefail
 O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$PWD
@@ -112,4 +116,19 @@ case "$1" in
     run 50 eager.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 32 --context 1024 4096 --steps 6 \
         --warmup 2 --time-limit 40 --out "$O" --name decode_eager_cells.json
     for f in generate graphs host_ab eager; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -22; done ;;
+  grid)
+    cd "$ROOT/scripts"
+    run 230 grid.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 8 32 128 --context 1024 4096 16384 32768 \
+        --steps 6 --warmup 2 --time-limit 200 --out "$O" --name decode_eager.json
+    run 60 b1.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 --context 1024 1024 1024 --steps 10 \
+        --warmup 3 --no-floor --out "$O" --name decode_b1_1k.json
+    run 100 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
+        --steps 10 --time-limit 80 --out "$O" --name decode_graphs_target.json
+    for f in grid b1 graphs; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -26; done ;;
+  gen)
+    cd "$ROOT/scripts"
+    run 330 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
+        --attn sdpa flashinfer_mla --repeats 2 --out "$O" --name generate_v2lite_static.json
+    host_ab 45 old new old2 new2
+    for f in generate host_ab; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -40; done ;;
 esac

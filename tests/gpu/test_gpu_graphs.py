@@ -40,6 +40,18 @@ def _batch(lengths, seed):
     return ids.to(DEV), mask.to(DEV)
 
 
+def _fresh_v3(monkeypatch):
+    """DeepSeek-V3's attention shape on flashinfer_mla (fa3), with no compiled graph, CUDA-graph slot or captured
+    route of earlier tests (process caches: their slots would be reloaded too)."""
+    _available("fa3")
+    torch._dynamo.reset()
+    monkeypatch.setattr(graphs, "_slots", {})
+    monkeypatch.setattr(planning, "_captured", {})
+    model = _model("v3")
+    model.set_attn_implementation("flashinfer_mla")
+    return model
+
+
 class _Replay(LogitsProcessor):
     """Makes generate() pick `tokens` ([B, T], another run's generated tokens) whatever its logits say, so that a
     second run is teacher-forced along the first one's tokens; generate() still reports its raw logits."""
@@ -73,15 +85,9 @@ def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
 
     The number of dynamo compiles (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``) and of CUDA graphs
     inductor declined (``counters["inductor"]["cudagraph_skips"]``) is printed per call."""
-    _available("fa3")
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    # This test's own slots and captured routes (process caches: earlier tests' slots would be reloaded too).
-    monkeypatch.setattr(graphs, "_slots", {})
-    monkeypatch.setattr(planning, "_captured", {})
-    model = _model("v3")
-    model.set_attn_implementation("flashinfer_mla")
+    model = _fresh_v3(monkeypatch)
     layers = model.config.num_hidden_layers
 
     eager_launches, slot_loads, slot_runs, references = [], [], [], []
@@ -168,12 +174,7 @@ def test_warmed_up_static_generate_records_no_cuda_graph(monkeypatch):
     sdpa's 498). So calls of one shape, after the first two (compile, then the addresses of the compiled process),
     record nothing. The control keeps each call's cache alive, as a caller keeping ``out.cache`` does, which moves
     the next call's cache: it must see recordings."""
-    _available("fa3")
-    torch._dynamo.reset()
-    monkeypatch.setattr(graphs, "_slots", {})
-    monkeypatch.setattr(planning, "_captured", {})
-    model = _model("v3")
-    model.set_attn_implementation("flashinfer_mla")
+    model = _fresh_v3(monkeypatch)
     captures = []
     real_capture_end = torch.cuda.graphs.CUDAGraph.capture_end
 
