@@ -371,6 +371,39 @@ def test_generate_plans_on_the_host_and_matches_the_mask_planned_path(monkeypatc
     assert torch.equal(host_planned.argmax(-1), torch.stack(loop, 1).argmax(-1))
 
 
+def test_offloaded_cache_generate_matches_the_resident_cache(monkeypatch):
+    """``generate(cache_implementation="offloaded")``: Transformers moves each layer's cache to the CPU after its
+    update and prefetches the next layer's back on a side stream; the latent layers (``MLALatentLayer``) move their
+    buffers. Same rows, same kernel as the resident cache: the same logits, every decode layer on fa3, and the
+    layers really went to the CPU and back."""
+    _available("fa3")
+    model = _model("v3")
+    model.set_attn_implementation("flashinfer_mla")
+    launches, moves = [], []
+    real_run = fa.run
+    real_offload, real_prefetch = hf_flashinfer_mla.MLALatentLayer.offload, hf_flashinfer_mla.MLALatentLayer.prefetch
+    monkeypatch.setattr(fa, "run", lambda *a, **k: launches.append(1) or real_run(*a, **k))
+    monkeypatch.setattr(hf_flashinfer_mla.MLALatentLayer, "offload",
+                        lambda self: moves.append("offload") or real_offload(self))
+    monkeypatch.setattr(hf_flashinfer_mla.MLALatentLayer, "prefetch",
+                        lambda self: moves.append("prefetch") or real_prefetch(self))
+    ids, mask, _ = _prompts()
+    new, layers = 16, model.config.num_hidden_layers
+    runs = {}
+    for kind in (None, "offloaded"):
+        launches.clear()
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                 cache_implementation=kind, output_logits=True, return_dict_in_generate=True)
+        assert len(launches) == layers * (new - 1)  # every decode layer on fa3, offloaded or not
+        runs[kind] = (torch.stack(gen.logits, 1).float(), gen.sequences)
+    assert moves.count("offload") >= layers * new and moves.count("prefetch") >= layers * new
+    err = rel(runs["offloaded"][0], runs[None][0])
+    print(f"offloaded vs resident cache: logits rel err {err:.2e}, {moves.count('offload')} offloads")
+    assert err < 1e-3
+    assert torch.equal(runs["offloaded"][1], runs[None][1])
+
+
 def test_generate_decode_steps_do_not_sync(monkeypatch):
     """No device-to-host synchronisation in a generate() decode step after the first (which reads the left
     padding once): torch's sync debug mode raises on any sync inside the model's forward."""
