@@ -26,6 +26,8 @@
 #                                           # cell closest to even); the CUDA-graph target cell
 #   bash scripts/dev/gpu_session.sh gen     # V2-Lite static-cache generate() at batch 1 and 8; host per layer
 #                                           # against ab_old/ (alternated: old new old new)
+#   bash scripts/dev/gpu_session.sh hostfn  # host per layer against ab_old/, both timed by this revision's
+#                                           # bench_host.py (the attention function alone too), alternated
 set -uo pipefail
 O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$PWD
@@ -36,10 +38,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 cat "$O/date_$1.txt"
 run() { local limit=$1 log=$2; shift 2; echo "## $*" >> "$O/$log"; timeout "$limit" "$@" >> "$O/$log" 2>&1 || echo "exit $?" >> "$O/$log"; }
 # Host time per layer, this package against the revision unpacked in ab_old/, in the order given (old*, new*).
+# HOST_AB_SCRIPTS=new runs the old package with this revision's bench_host.py too, which also times the attention
+# function alone (it wraps whatever function is registered as "flashinfer_mla").
 host_ab() {
   local limit=$1 v pp; shift
   for v in "$@"; do
-    if [ "${v%2}" = old ]; then cd "$ROOT/ab_old/scripts"; pp=$ROOT/ab_old:$PYTHONPATH; else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
+    if [ "${v%2}" = old ]; then
+      pp=$ROOT/ab_old:$PYTHONPATH
+      if [ "${HOST_AB_SCRIPTS:-old}" = new ]; then cd "$ROOT/scripts"; else cd "$ROOT/ab_old/scripts"; fi
+    else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
+    PYTHONPATH=$pp python3 -c "import hf_flashinfer_mla; print('$v:', hf_flashinfer_mla.__file__)" >> "$O/host_ab.txt" 2>&1
     PYTHONPATH=$pp run "$limit" host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
       --attn flashinfer_mla --steps 10 --out "$O" --name "host_${v}.json"
     echo "== $v" >> "$O/host_ab.txt"
@@ -125,6 +133,9 @@ case "$1" in
     run 100 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
         --steps 10 --time-limit 80 --out "$O" --name decode_graphs_target.json
     for f in grid b1 graphs; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -26; done ;;
+  hostfn)
+    HOST_AB_SCRIPTS=new host_ab 45 old new old2 new2
+    echo "== host_ab"; grep -v "^  \|Loading\|warn" "$O/host_ab.txt" | tail -40 ;;
   gen)
     cd "$ROOT/scripts"
     run 330 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
