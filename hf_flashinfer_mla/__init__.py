@@ -7,16 +7,33 @@ Decode steps then attend straight over the cached 512 + 64 latent with the up-pr
 instead of re-expanding the whole history into per-head keys and values on every step.
 """
 
+import torch
+
+from . import buffers
 from .cache import MLALatentCache, MLALatentLayer
 from .buffers import multi_ctas_kv_counter_buffer
 from .capabilities import BACKENDS, ENV_VAR, backend_and_reason, choose_backend, trtllm_gen_supports_num_heads
 from .errors import BackendUnavailableError, CacheLayoutError, FlashInferMLAError, UnsupportedModelError
+from .kernels import fa, graphs
+from .kernels.graphs import CapturedShape, captured_shapes
 from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES
 from .registration import register
 
 __version__ = "0.1.0"
 
 register()
+
+
+def reset() -> None:
+    """What a fresh process has: ``torch.compiler.reset()`` (compiled code and its CUDA graphs), then the package's
+    process caches, which only CUDA graphs hold by address: every captured shape's slot and route, FlashInfer's
+    generated modules, and each device's buffers. Their GPU memory is freed once no plan still refers to it. For a
+    process done with compiled models, and for tests that count what a fresh process captures. Do not call it while
+    a CUDA graph of your own (``torch.cuda.graph``) that ran a flashinfer_mla step may still replay."""
+    torch.compiler.reset()
+    graphs.reset()
+    fa.reset()
+    buffers.reset()
 
 __all__ = [
     "ATTN_NAME",
@@ -26,13 +43,16 @@ __all__ = [
     "SPARSE_MLA_MODEL_TYPES",
     "BackendUnavailableError",
     "CacheLayoutError",
+    "CapturedShape",
     "FlashInferMLAError",
     "MLALatentCache",
     "MLALatentLayer",
     "UnsupportedModelError",
     "backend_and_reason",
+    "captured_shapes",
     "choose_backend",
     "multi_ctas_kv_counter_buffer",
     "register",
+    "reset",
     "trtllm_gen_supports_num_heads",
 ]

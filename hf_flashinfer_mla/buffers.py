@@ -62,3 +62,17 @@ def identity_rows(device: torch.device | str, rows: int) -> torch.Tensor:
         size = -(-max(int(rows), 1) // 2**18) * 2**18  # 2**18 int32 indices = 1 MiB
         buf = _identities[device] = torch.arange(size, dtype=torch.int32, device=device)
     return buf
+
+
+def held(device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The buffers allocated on `device` so far, by name (``workspace``, ``counter``, ``identity``)."""
+    device = _key(device)
+    return {name: kept[device] for name, kept in (("workspace", _workspaces), ("counter", _counters),
+                                                  ("identity", _identities)) if device in kept}
+
+
+def reset() -> None:
+    """Drop every device's buffers (their memory is freed once no plan still holds them). Only safe once no
+    captured graph can replay: see `hf_flashinfer_mla.reset`."""
+    for kept in (_workspaces, _counters, _identities):
+        kept.clear()

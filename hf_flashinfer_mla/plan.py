@@ -350,12 +350,12 @@ def decode_in_graph(mask: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     layer = layer_of(q_lat, kv_latent, k_rot, scale)
     key = (layer, mask.shape[0], mask.shape[2], mask.shape[3])
     if layer.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        route = _captured[key]
+        route = graphs.routes[key]
     else:
         # Warm-up (never while capturing: planning from the mask may sync): CUDA-graph trees hand the graph copies
         # of its inputs, so the mask may have lost its plan; it is then planned from its contents.
         plan = plan_of(mask) or StepPlan(mask)
-        route = _captured[key] = plan.graph_route(key, layer, capabilities.requested_backend(requested or None))
+        route = graphs.routes[key] = plan.graph_route(key, layer, capabilities.requested_backend(requested or None))
     return route.run(q_lat, q_pe, kv_latent, k_rot, mask).contiguous()
 
 
@@ -363,10 +363,6 @@ def decode_in_graph(mask: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
 def _(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested):
     return torch.empty_like(q_lat, memory_format=torch.contiguous_format)
 
-
-# The route each compiled shape was warmed up with, which its capture records (a documented cache beside
-# `graphs._slots`: it names a slot, and holds no step's state).
-_captured: dict[tuple, GraphSlotRoute] = {}
 
 
 def layer_of(q_lat, kv_latent, k_rot, scale: float, topk: int = 0, sinks: bool = False) -> Layer:

@@ -166,6 +166,14 @@ def make_surface(validate_workload=None) -> FakeSurface:
     )
 
 
+def fresh_caches() -> None:
+    """The package's process caches as a fresh process has them (CUDA-graph slots and routes, FlashInfer's
+    generated modules, device buffers); torch's compiled code is kept, which no CUDA graph ties to them on the CPU."""
+    graphs.reset()
+    fa.reset()
+    buffers.reset()
+
+
 @pytest.fixture
 def fake_hopper(monkeypatch):
     """The package sees an SM90 GPU whose fa3/fa2 kernels are `FakeMLAModule`, for the test models' float64
@@ -177,11 +185,9 @@ def fake_hopper(monkeypatch):
     monkeypatch.setattr(capabilities, "KERNEL_DTYPES", (torch.float64,))
     monkeypatch.setattr(capabilities, "KERNEL_DIMS", (32, 8))  # conftest's deepseek_v3 latent
     monkeypatch.setattr(fa, "generated_surface", lambda: surface)
-    monkeypatch.setattr(fa, "_engines", {})
     monkeypatch.setattr(fa, "INT_WORKSPACE_BYTES", 1 << 16)
     monkeypatch.setattr(buffers, "WORKSPACE_BYTES", 1 << 16)
-    monkeypatch.setattr(buffers, "_workspaces", {})
-    monkeypatch.setattr(graphs, "_slots", {})
+    fresh_caches()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(_fa_common, "get_device_sm_count", lambda device: 132)
     monkeypatch.setattr(_fa_common, "_get_fa_shared_memory_limits", lambda device: (233472, 232448))

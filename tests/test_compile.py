@@ -12,7 +12,7 @@ from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from transformers import StaticCache
 from transformers.masking_utils import create_masks_for_generate
 
-from hf_flashinfer_mla.kernels import graphs
+from hf_flashinfer_mla import captured_shapes
 
 
 def _decode_steps(forward, model, steps=4):
@@ -117,8 +117,31 @@ def test_compiled_static_generate_runs_the_graph_op_for_any_sequence_of_shapes(f
     # Every compiled decode step (new_tokens - 1 after the expanded prefill of >8 tokens) ran the kernel in each of
     # the two layers.
     assert runs == [2 * (n - 1) for n in (4, 4, 6, 4)]
-    slots = {key[2:4] for key, slot in graphs._slots.items()}  # (batch, query length)
+    slots = {(s.batch, s.q_len) for s in captured_shapes()}
     assert {(1, 1), (4, 1), (2, 1)} <= slots  # one slot per batch size, the first reused by the last call
+
+
+def test_reset_forgets_captured_shapes_and_buffers_and_generate_compiles_again(fake_hopper):
+    """`hf_flashinfer_mla.reset()` is what a fresh process has: no captured shape, no device buffer held, and torch's
+    compiled code gone with them. The same model's compiled generate() afterwards (Transformers keeps its compiled
+    call on the model) compiles again, makes new slots, and gives the tokens and logits of the call before."""
+    import hf_flashinfer_mla
+    from hf_flashinfer_mla import buffers
+
+    torch._dynamo.reset()
+    model = make_model("deepseek_v3", first_k_dense_replace=2)
+    ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
+    before = _compiled_generate(model, ids, mask, 4)
+    runs = fake_hopper.modules["fa3"].runs
+    assert [(s.backend, s.runs, s.batch, s.q_len) for s in captured_shapes()] == [("fa3", "fa3", 3, 1)]
+    assert "workspace" in buffers.held("cpu") and runs == 2 * 3  # 2 layers x 3 decode steps
+    hf_flashinfer_mla.reset()
+    assert captured_shapes() == [] and buffers.held("cpu") == {}
+    after = _compiled_generate(model, ids, mask, 4)
+    assert [(s.runs, s.batch) for s in captured_shapes()] == [("fa3", 3)]
+    assert fake_hopper.modules["fa3"].runs == 2 * runs  # (the fake hands out one module per backend)
+    assert torch.equal(after.sequences, before.sequences)
+    assert rel_err(torch.stack(after.logits), torch.stack(before.logits)) < 1e-12
 
 
 @torch.no_grad()

@@ -484,18 +484,23 @@ def test_fallbacks_skip_fa2_where_it_cannot_run(capability, no_cuda, monkeypatch
 
 @pytest.fixture
 def graph_state(monkeypatch):
-    """Fresh CUDA-graph slots and device buffers, and FlashInfer's SM-count query answered without a GPU."""
+    """Fresh CUDA-graph slots and device buffers, and FlashInfer's SM-count query answered without a GPU; returns
+    `captured_shapes`."""
     import flashinfer.utils
 
-    from hf_flashinfer_mla import buffers, plan
+    from fake_flashinfer import fresh_caches
+
+    fresh_caches()
+    monkeypatch.setattr(flashinfer.utils, "get_device_sm_count", lambda device: 148)
+    return hf_flashinfer_mla.captured_shapes
+
+
+def _slot(backend: str, batch: int):
+    """The one CUDA-graph slot of `backend` for decode steps of `batch` rows over 64 cached tokens."""
     from hf_flashinfer_mla.kernels import graphs
 
-    monkeypatch.setattr(graphs, "_slots", {})
-    monkeypatch.setattr(plan, "_captured", {})
-    monkeypatch.setattr(buffers, "_counters", {})
-    monkeypatch.setattr(buffers, "_workspaces", {})
-    monkeypatch.setattr(flashinfer.utils, "get_device_sm_count", lambda device: 148)
-    return graphs._slots
+    [slot] = [slot for _, slot in graphs.slots_for(batch, 1, 64) if slot.backend == backend]
+    return slot
 
 
 def _graph_route(dtype, heads, requested, packed=True, kv_dtype=None, rank=RANK, rope=ROPE, batch=2):
@@ -533,9 +538,9 @@ def test_graph_route_is_the_backend_of_each_shape_at_run_time(capability, no_cud
     route, (layer, batch) = _graph_route(dtype, heads, requested)
     assert route.backend == expected == choose_backend(CPU, dtype, RANK, ROPE, heads, requested)
     if expected == "reference":
-        assert graph_state == {}
+        assert graph_state() == []
     else:
-        slot = graph_state[(expected, layer, batch, 1, 64)]
+        slot = _slot(expected, batch)
         assert route.slot is slot and slot.backend == expected and slot.meta.backend == expected
         assert (slot.meta.counter is not None) == (expected == "trtllm-gen")
 
@@ -550,16 +555,16 @@ def test_graph_route_decides_per_shape_in_one_process(capability, no_cuda, graph
     assert _graph_route(BF16, 16, "auto", packed=False)[0].backend == "reference"  # split cache: no kernel slot
     capability(None)
     assert _graph_route(BF16, 16, "auto")[0].backend == "reference"
-    assert {(key[0], key[1].heads, key[1].packed, key[2]) for key in graph_state} == {
-        ("trtllm-gen", 16, True, 2), ("cute-dsl", 24, True, 2), ("trtllm-gen", 16, True, 3),
-        ("trtllm-gen", 16, False, 2)}
-    assert graph_state[next(k for k in graph_state if not k[1].packed)] == "reference"
+    # (the split cache's shape is the one that runs the reference)
+    assert sorted((s.backend, s.runs, s.heads, s.batch) for s in graph_state()) == [
+        ("cute-dsl", "cute-dsl", 24, 2), ("trtllm-gen", "reference", 16, 2), ("trtllm-gen", "trtllm-gen", 16, 2),
+        ("trtllm-gen", "trtllm-gen", 16, 3)]
 
 
 def test_graph_route_fp8_latent_runs_the_reference(capability, no_cuda, graph_state):
     capability((9, 0))
     route, _ = _graph_route(BF16, 16, "auto", packed=False, kv_dtype=torch.float8_e4m3fn)
-    assert route.backend == "reference" and graph_state == {}
+    assert route.backend == "reference" and graph_state() == []
 
 
 @pytest.mark.parametrize("cc, heads, backend, fragment", [((10, 0), 24, "trtllm-gen", "cannot tile 24 heads"),
@@ -570,13 +575,13 @@ def test_graph_route_forced_backend_that_cannot_run_raises(capability, no_cuda, 
     capability(cc)
     with pytest.raises(BackendUnavailableError, match=fragment):
         _graph_route(BF16, heads, backend)
-    assert graph_state == {}
+    assert graph_state() == []
 
 
 def test_graph_route_on_hopper_takes_fa3_or_the_forced_fa2(fake_hopper, graph_state):
     """On (a fake of) Hopper, the compiled step of the float64 test latent gets fa3's graph slot, or fa2's when
     forced: the same decision as an eager step."""
     route, (layer, batch) = _graph_route(torch.float64, 4, "auto", packed=False, rank=32, rope=8)
-    assert route.backend == "fa3" and graph_state[("fa3", layer, batch, 1, 64)] is route.slot
+    assert route.backend == "fa3" and _slot("fa3", batch) is route.slot
     route, (layer, batch) = _graph_route(torch.float64, 4, "fa2", packed=False, rank=32, rope=8)
-    assert route.backend == "fa2" and graph_state[("fa2", layer, batch, 1, 64)] is route.slot
+    assert route.backend == "fa2" and _slot("fa2", batch) is route.slot

@@ -734,11 +734,10 @@ def test_graph_slot_is_reloaded_in_place_once_per_step(fake_hopper, monkeypatch)
     (batch, query length, static cache length), once per step however many times the step asks (generate()'s
     compiled step, then the graph op's warm-up run); a step with holes writes explicit indices for itself only.
     Slots of other shapes are left alone."""
-    monkeypatch.setattr(buffers, "_identities", {})
     layer = _layer(pitch=16, scale=0.25)
     key = ("fa3", layer, 2, 1, 16)  # backend, layer, batch, query length, mask length
     slot = graphs.slot(key, fa, "fa3", layer, _graph_step([3, 0], 10))  # made and first loaded on first use
-    assert isinstance(slot, graphs.GraphSlot) and graphs._slots[key] is slot
+    assert isinstance(slot, graphs.GraphSlot) and graphs.slot(key, fa, "fa3", layer, None) is slot  # kept
     other_batch = graphs.slot(("fa3", layer, 3, 1, 16), fa, "fa3", layer, _graph_step([3, 0, 1], 10))
     wider = _layer(pitch=24, scale=0.25)
     other_len = graphs.slot(("fa3", wider, 2, 1, 24), fa, "fa3", wider, _graph_step([3, 0], 10, kv_len=24))
@@ -767,7 +766,7 @@ def test_graph_slot_is_reloaded_in_place_once_per_step(fake_hopper, monkeypatch)
     assert slot.meta.kv_indices is indices and indices.tolist() == list(range(32))  # the identity is back
     # Slots plan during CUDA-graph warm-up, whose allocations belong to the graph's pool: never the process-wide
     # identity of eager steps.
-    assert buffers._identities == {}
+    assert "identity" not in buffers.held(CPU)
     g = torch.Generator().manual_seed(0)  # head-major operands, as every kernel call takes them
     q_lat, q_pe = torch.randn(4, 2, 32, generator=g, dtype=F64), torch.randn(2, 4, 8, generator=g, dtype=F64)
     kv, k_rot = torch.randn(2, 1, 16, 32, generator=g, dtype=F64), torch.randn(2, 1, 16, 8, generator=g, dtype=F64)
@@ -832,7 +831,7 @@ def test_graph_slot_uploads_the_schedule_planned_ahead(fake_hopper):
     mask2d = grow(_mask2d([[0, 0, 0] + [1] * 6, [1] * 9]).long())  # after the prefill: width 10
     first = step(mask2d)
     assert first.graph_route(None, layer, "fa3").backend == "fa3"  # the graph op's warm-up makes the slot
-    slot = graphs._slots[("fa3", layer, 2, 1, 16)]
+    [(_, slot)] = graphs.slots_for(2, 1, 16)
     plans = fa3["fa3"].plans
     assert len(plans) == 1 and _scheduled(slot) == 0
     mask2d = grow(mask2d)

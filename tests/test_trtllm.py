@@ -19,15 +19,15 @@ pytest.importorskip("flashinfer", reason="these tests check the package against 
 
 import torch
 from conftest import package_warnings
+from fake_flashinfer import fresh_caches
 from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import _trtllm_gen_mla_incompatibility_reason
 from flashinfer.utils import _resolve_trtllm_gen_multi_ctas_kv_counter_buffer, get_trtllm_gen_multi_ctas_kv_counter_bytes
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla import MLALatentLayer, buffers, capabilities
-from hf_flashinfer_mla import plan as plan_module
 from hf_flashinfer_mla.buffers import multi_ctas_kv_counter_buffer
 from hf_flashinfer_mla.capabilities import trtllm_gen_supports_num_heads
-from hf_flashinfer_mla.kernels import Layer, Refused, graphs, trtllm
+from hf_flashinfer_mla.kernels import Layer, Refused, trtllm
 from hf_flashinfer_mla.kernels.reference import mla_attention_reference
 from hf_flashinfer_mla.kernels.trtllm import packed_pages
 from hf_flashinfer_mla.plan import StepPlan, decode_latent
@@ -153,10 +153,7 @@ def blackwell(monkeypatch, dtype=torch.float64, dims=(32, 8), sm_count=SM_COUNT)
     monkeypatch.setattr(flashinfer.mla, "trtllm_batch_decode_with_kv_cache_mla", kernel)
     monkeypatch.setattr(flashinfer.utils, "get_device_sm_count", lambda device: sm_count)
     monkeypatch.setattr(buffers, "WORKSPACE_BYTES", 1 << 16)
-    monkeypatch.setattr(buffers, "_workspaces", {})
-    monkeypatch.setattr(buffers, "_counters", {})
-    monkeypatch.setattr(graphs, "_slots", {})
-    monkeypatch.setattr(plan_module, "_captured", {})
+    fresh_caches()
     return kernel
 
 
@@ -202,11 +199,9 @@ def test_exported_from_package():
 
 @pytest.fixture
 def clean_counters():
-    saved = dict(buffers._counters)
-    buffers._counters.clear()
+    fresh_caches()
     yield
-    buffers._counters.clear()
-    buffers._counters.update(saved)
+    fresh_caches()
 
 
 def test_counter_zero_initialised_uint8(clean_counters):
@@ -249,7 +244,7 @@ def test_counter_grows_when_more_is_asked(clean_counters):
     for size in (256, 1, 4096, 2048, 4096):
         again = multi_ctas_kv_counter_buffer(size, CPU)
         assert again is big and again.data_ptr() == ptr
-    assert buffers._counters[CPU] is big
+    assert buffers.held(CPU)["counter"] is big
 
 
 def test_counter_zero_request_gives_nonempty_buffer(clean_counters):
@@ -269,7 +264,7 @@ def test_counter_per_device(clean_counters):
     assert multi_ctas_kv_counter_buffer(128, CPU) is cpu_buf
     assert cpu_buf.numel() < 8192
     assert multi_ctas_kv_counter_buffer(64, META) is meta_big
-    assert set(buffers._counters) == {CPU, META}
+    assert buffers.held(CPU)["counter"] is cpu_buf and buffers.held(META)["counter"] is meta_big
 
 
 def test_counter_cuda_devices_kept_apart_without_gpu(clean_counters, monkeypatch):
@@ -378,9 +373,9 @@ def test_trtllm_decode_call_contract(monkeypatch, caplog, requested, heads, back
     assert call["heads"] == heads and call["batch"] == len(starts) and call["q_len"] == q_len
     if backend == "cute-dsl":
         assert call["backend"] == "cute-dsl" and call["counter"] is None
-        assert CPU not in buffers._counters  # cute-dsl never allocates one
+        assert "counter" not in buffers.held(CPU)  # cute-dsl never allocates one
     else:
-        assert call["backend"] == "auto" and call["counter"] is buffers._counters[CPU]
+        assert call["backend"] == "auto" and call["counter"] is buffers.held(CPU)["counter"]
     # The kernel read the cache's own storage (no copy), through tables of the step's rows.
     assert call["kv_storage"] == layer._buffer.untyped_storage().data_ptr()
     lens = [s - st for st in starts]
@@ -526,7 +521,7 @@ def _tables(mask: torch.Tensor, pitch_pages: int):
     meta = trtllm.build("trtllm-gen", StepPlan(mask), _layer(pitch_pages * PAGE))
     assert meta.backend == "trtllm-gen" and not meta.fixed
     assert meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32
-    assert meta.counter is buffers._counters[CPU]
+    assert meta.counter is buffers.held(CPU)["counter"]
     return meta.block_tables, meta.seq_lens, meta.max_seq_len
 
 
@@ -673,7 +668,7 @@ def test_graph_metadata_is_rebuilt_in_place_from_each_steps_rows(builds):
     assert meta.fixed and meta.backend == "trtllm-gen"
     assert meta.block_tables.shape == (3, 4) and meta.block_tables.dtype == torch.int32
     assert meta.seq_lens.shape == (3,) and meta.seq_lens.dtype == torch.int32 and meta.max_seq_len == 4 * PAGE
-    assert meta.counter is buffers._counters[CPU]
+    assert meta.counter is buffers.held(CPU)["counter"]
     assert meta.counter.numel() == get_trtllm_gen_multi_ctas_kv_counter_bytes(trtllm.COUNTER_MIN_TOKENS, 16, SM_COUNT)
     addresses = (meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.counter.data_ptr())
     for starts, s in (([0, 64, 128], 200), ([0, 0, 0], 201), ([192, 64, 0], 256)):
@@ -691,8 +686,8 @@ def test_graph_metadata_is_rebuilt_in_place_from_each_steps_rows(builds):
         trtllm.build("trtllm-gen", StepPlan(_plan_mask(valid)), layer, into=meta)
     assert torch.equal(meta.block_tables, before[0]) and torch.equal(meta.seq_lens, before[1])
     # The same shape on cute-dsl: no counter, none allocated.
-    buffers._counters.clear()
-    assert trtllm.fixed("cute-dsl", layer, 3, 1).counter is None and CPU not in buffers._counters
+    fresh_caches()
+    assert trtllm.fixed("cute-dsl", layer, 3, 1).counter is None and "counter" not in buffers.held(CPU)
 
 
 # ------------------------------------------------------------------------------- steps trtllm-gen cannot serve

@@ -25,7 +25,7 @@ from test_trtllm import SM_COUNT, fake_blackwell  # noqa: F401  (fixture)
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
-from hf_flashinfer_mla import buffers
+from hf_flashinfer_mla import buffers, captured_shapes
 from hf_flashinfer_mla.cache import MLAStaticLayer
 from hf_flashinfer_mla.kernels import graphs, trtllm
 
@@ -43,6 +43,11 @@ def model():
     dense layers only, since a decode graph cannot hold the eager MoE's data-dependent shapes."""
     torch._dynamo.reset()
     return make_model("deepseek_v3", first_k_dense_replace=2)
+
+
+def _slots(shapes) -> list[graphs.GraphSlot]:
+    """The CUDA-graph slots of `shapes` (their fixed-address metadata)."""
+    return [slot for s in shapes for _, slot in graphs.slots_for(s.batch, s.q_len, s.kv_len)]
 
 
 def _generate(model, lengths, new_tokens: int, compiled: bool, max_cache_len: int | None = MAX_CACHE):
@@ -109,7 +114,7 @@ def test_compiled_static_generate_runs_trtllm_gen_slots_for_any_sequence_of_batc
         start = len(kernel.calls)
         graph_mode, prompts = _generate(model, lengths, new_tokens, compiled=True)
         # The first slot allocated the counter, before its first kernel call, for the worst case of every batch.
-        first_counter = buffers._counters[CPU] if first_counter is None else first_counter
+        first_counter = buffers.held(CPU)["counter"] if first_counter is None else first_counter
         middle = len(kernel.calls)
         eager_mode, _ = _generate(model, lengths, new_tokens, compiled=False)
         _check_steps(kernel.calls[start:middle], lengths, new_tokens, fixed=True)
@@ -119,14 +124,14 @@ def test_compiled_static_generate_runs_trtllm_gen_slots_for_any_sequence_of_batc
             assert_batch_matches_eager_alone(model, graph_mode, prompts, new_tokens, tol=1e-6)
     assert counters["graph_break"] == {}  # (Transformers turns fullgraph off for names containing "flash")
     # One slot per batch size, on trtllm-gen; the two calls at batch 1 share theirs.
-    slots = {key[2:4]: slot for key, slot in graphs._slots.items()}  # (batch, query length); the cache length: 128
-    assert set(slots) == {(1, 1), (4, 1), (2, 1)} and len(graphs._slots) == 3
-    assert all(isinstance(s, graphs.GraphSlot) and s.backend == "trtllm-gen" for s in slots.values())
+    shapes = captured_shapes()  # the cache length: 128
+    assert sorted((s.batch, s.q_len) for s in shapes) == [(1, 1), (2, 1), (4, 1)]
+    assert all(s.runs == "trtllm-gen" for s in shapes)
     # The counter: one buffer for every call, held by every slot, sized once for COUNTER_MIN_TOKENS query tokens.
-    counter = buffers._counters[CPU]
+    counter = buffers.held(CPU)["counter"]
     assert counter is first_counter
     assert {call["counter"].data_ptr() for call in kernel.calls} == {counter.data_ptr()}  # (calls hold theirs)
-    assert {s.meta.counter.data_ptr() for s in slots.values()} == {counter.data_ptr()}
+    assert {slot.meta.counter.data_ptr() for slot in _slots(shapes)} == {counter.data_ptr()}
     assert counter.numel() == get_trtllm_gen_multi_ctas_kv_counter_bytes(trtllm.COUNTER_MIN_TOKENS, 4, SM_COUNT)
     assert counter.numel() >= get_trtllm_gen_multi_ctas_kv_counter_bytes(4, 4, SM_COUNT)
 
@@ -144,7 +149,7 @@ def test_unaligned_left_padding_in_a_new_compiled_shape_runs_the_reference(fake_
     assert kernel.calls == []
     _same(graph_mode, eager_mode)
     assert_batch_matches_eager_alone(model, graph_mode, prompts, 4, tol=1e-6)
-    assert list(graphs._slots.values()) == ["reference"] and next(iter(graphs._slots))[2] == 3
+    assert [(s.runs, s.batch) for s in captured_shapes()] == [("reference", 3)]
     warnings = package_warnings(caplog)
     assert sum("trtllm-gen declines some decode steps" in w and "left padding does not start on" in w
                for w in warnings) == 1  # the uncompiled run
@@ -195,10 +200,10 @@ def test_compiled_untileable_head_count_runs_cute_dsl_without_a_counter(fake_bla
         _check_steps(kernel.calls[middle:], lengths, new_tokens, fixed=True, backend="cute-dsl")
         _same(graph_mode, eager_mode)
     assert all(call["counter"] is None and call["heads"] == 24 for call in kernel.calls)
-    assert CPU not in buffers._counters
-    assert {key[2] for key in graphs._slots} == {1, 3}
-    assert all(isinstance(s, graphs.GraphSlot) and s.backend == "cute-dsl" and s.meta.counter is None
-               for s in graphs._slots.values())
+    assert "counter" not in buffers.held(CPU)
+    shapes = captured_shapes()
+    assert {s.batch for s in shapes} == {1, 3} and all(s.runs == "cute-dsl" for s in shapes)
+    assert all(slot.meta.counter is None for slot in _slots(shapes))
 
 
 def test_batch_of_one_runs_trtllm_gen_in_graphs_at_the_default_cache_length(fake_blackwell):
@@ -208,7 +213,7 @@ def test_batch_of_one_runs_trtllm_gen_in_graphs_at_the_default_cache_length(fake
     kernel = fake_blackwell
     model = make_model("deepseek_v3", first_k_dense_replace=2)
     graph_mode, _ = _generate(model, (10,), 4, compiled=True, max_cache_len=None)
-    assert all(isinstance(s, graphs.GraphSlot) for s in graphs._slots.values())
+    assert [(s.runs, s.batch) for s in captured_shapes()] == [("trtllm-gen", 1)]
     _check_steps(kernel.calls, (10,), 4, fixed=True, capacity=10 + 4 - 1)
 
 
@@ -218,12 +223,12 @@ def test_two_static_cache_lengths_of_one_capacity_keep_their_own_slots(fake_blac
     between them, every compiled call equals its uncompiled run (a slot shared by both would replay the other
     cache's lengths)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(graphs, "_slots", {})
+    graphs.reset()
     lengths = (80, 16)
     for max_cache_len in (100, 200, 100, 200):
         graph_mode, _ = _generate(model, lengths, 4, compiled=True, max_cache_len=max_cache_len)
         _same(graph_mode, _generate(model, lengths, 4, compiled=False, max_cache_len=max_cache_len)[0])
     # Two slots, one per cache length (generate() may reuse a larger static cache it made before: the lengths are
     # at least the ones asked for).
-    lengths_seen = sorted(key[4] for key in graphs._slots)
+    lengths_seen = sorted(s.kv_len for s in captured_shapes())
     assert len(lengths_seen) == 2 and lengths_seen[0] >= 100 and lengths_seen[1] >= 200

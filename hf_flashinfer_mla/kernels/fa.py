@@ -266,6 +266,11 @@ def generated_fa(layer, backend: str) -> GeneratedFa:
     return _engines[key]
 
 
+def reset() -> None:
+    """Drop the generated modules and their scratches (see `hf_flashinfer_mla.reset`)."""
+    _engines.clear()
+
+
 def scale_mode(kv_dtype: torch.dtype) -> str:
     """FlashInfer's scale mode for a KV dtype: per-tensor dequantization scales for an FP8 cache."""
     return "kv-per-tensor" if kv_dtype == torch.float8_e4m3fn else "default"

@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import threading
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch._guards import TracingContext
@@ -71,6 +72,31 @@ class GraphSlot:
 # (backend, layer, batch, q_len, mask length) -> its slot, or "reference" for a shape captured on the reference
 # backend. The mask length is a static cache's length: two caches of one capacity are two graphs, two slots.
 _slots: dict[tuple, GraphSlot | str] = {}
+# (layer, batch, q_len, mask length) -> the route that shape's graph was warmed up with, which its capture records
+# (``plan.decode_in_graph`` fills it; it names a slot and holds no step's state).
+routes: dict[tuple, object] = {}
+
+
+class CapturedShape(NamedTuple):
+    backend: str  # the backend the shape's steps chose
+    runs: str  # what its graphs run: that backend, or "reference" (see `slot`)
+    heads: int
+    batch: int
+    q_len: int
+    kv_len: int  # the static cache's length
+
+
+def captured_shapes() -> list[CapturedShape]:
+    """Every decode shape compiled with CUDA graphs in this process, and the backend its graphs run on."""
+    return [CapturedShape(key[0], key[0] if isinstance(s, GraphSlot) else "reference", key[1].heads, *key[2:])
+            for key, s in _slots.items()]
+
+
+def reset() -> None:
+    """Forget every slot and route. Only safe once no captured graph can replay (`hf_flashinfer_mla.reset` resets
+    torch's compiled code and CUDA graphs first): a replay would read the freed buffers."""
+    _slots.clear()
+    routes.clear()
 
 
 def slots_for(batch: int, q_len: int, kv_len: int) -> list[tuple[tuple, GraphSlot]]:

@@ -500,7 +500,7 @@ def test_cuda_graphs_teacher_forced_match_uncompiled(backend, monkeypatch):
     static cache) is re-planned before every replay: 64 steps over a growing context match the uncompiled run."""
     _available(backend)
     monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", backend)
-    torch._dynamo.reset()
+    hf_flashinfer_mla.reset()
     model = _model("v3")
     model.set_attn_implementation("flashinfer_mla")
     plain = _teacher_forced_static(model, model)
@@ -508,8 +508,7 @@ def test_cuda_graphs_teacher_forced_match_uncompiled(backend, monkeypatch):
     err, top1 = _compare(graphed, plain)
     print(f"cuda graphs {backend}: teacher-forced logits rel err {err:.2e}, top-1 agreement {top1:.3f}")
     # The compiled step ran the graph op on a CUDA-graph slot of the forced backend, not on the reference.
-    assert any(isinstance(slot, graphs.GraphSlot) and key[0] == backend and key[2] == 4
-               for key, slot in graphs._slots.items())
+    assert any(shape.runs == backend and shape.batch == 4 for shape in hf_flashinfer_mla.captured_shapes())
     assert torch.isfinite(graphed).all()
     assert err < LOGIT_TOL and top1 >= TOP1_MIN
     del model
@@ -594,7 +593,7 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch)
         runs[mode] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                                     cache_implementation="static", compile_config=CompileConfig(mode=mode),
                                     output_logits=True, return_dict_in_generate=True)
-    assert graphs._slots and max(planned) > 0  # slots of the step's shape existed and were reloaded, sync-free
+    assert hf_flashinfer_mla.captured_shapes() and max(planned) > 0  # slots of the step's shape existed and were reloaded, sync-free
     err = rel(torch.stack(runs["reduce-overhead"].logits), torch.stack(runs["default"].logits))
     print(f"generate with CUDA graphs vs compiled without: logits rel err {err:.2e}")
     # No recompilation per step or per call: a further 24-step generate compiles no new graph.

@@ -12,7 +12,7 @@ import torch
 from test_gpu_backends import DEV, LOGIT_TOL, TOP1_MIN, _available, _compare, _model
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from hf_flashinfer_mla import plan as planning
+import hf_flashinfer_mla
 from hf_flashinfer_mla.kernels import fa, graphs, reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -40,13 +40,11 @@ def _batch(lengths, seed):
     return ids.to(DEV), mask.to(DEV)
 
 
-def _fresh_v3(monkeypatch):
+def _fresh_v3():
     """DeepSeek-V3's attention shape on flashinfer_mla (fa3), with no compiled graph, CUDA-graph slot or captured
     route of earlier tests (process caches: their slots would be reloaded too)."""
     _available("fa3")
-    torch._dynamo.reset()
-    monkeypatch.setattr(graphs, "_slots", {})
-    monkeypatch.setattr(planning, "_captured", {})
+    hf_flashinfer_mla.reset()
     model = _model("v3")
     model.set_attn_implementation("flashinfer_mla")
     return model
@@ -87,7 +85,7 @@ def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
     inductor declined (``counters["inductor"]["cudagraph_skips"]``) is printed per call."""
     from torch._dynamo.utils import counters
 
-    model = _fresh_v3(monkeypatch)
+    model = _fresh_v3()
     layers = model.config.num_hidden_layers
 
     eager_launches, slot_loads, slot_runs, references = [], [], [], []
@@ -153,12 +151,13 @@ def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
         assert err < LOGIT_TOL
     top1 = torch.cat(agree).float().mean().item()
     captured = {(backend, b) for backend, b, capturing in slot_runs if capturing}
-    slots = {key[2] for key, slot in graphs._slots.items() if isinstance(slot, graphs.GraphSlot) and key[0] == "fa3"}
+    shapes = hf_flashinfer_mla.captured_shapes()
+    slots = {shape.batch for shape in shapes if shape.runs == "fa3"}
     print(f"static generate: {compiles} compiles in all; top-1 agreement over all calls {top1:.3f}; "
           f"fa3 slots for batches {sorted(slots)}")
     assert compiles >= 1  # the decode step was compiled
     assert {("fa3", 1), ("fa3", 4), ("fa3", 16)} <= captured  # CUDA graphs captured on fa3 slots, each batch size
-    assert {1, 4, 16} <= slots and "reference" not in graphs._slots.values()
+    assert {1, 4, 16} <= slots and all(shape.runs == "fa3" for shape in shapes)
     assert references == []  # no step, compiled or not, ran the reference backend
     assert top1 >= TOP1_MIN
     del model
@@ -174,7 +173,7 @@ def test_warmed_up_static_generate_records_no_cuda_graph(monkeypatch):
     sdpa's 498). So calls of one shape, after the first two (compile, then the addresses of the compiled process),
     record nothing. The control keeps each call's cache alive, as a caller keeping ``out.cache`` does, which moves
     the next call's cache: it must see recordings."""
-    model = _fresh_v3(monkeypatch)
+    model = _fresh_v3()
     captures = []
     real_capture_end = torch.cuda.graphs.CUDAGraph.capture_end
 
