@@ -21,7 +21,8 @@
 #                                           # generate() at batch 1 and 8; the CUDA-graph target cell; host per layer
 #                                           # against ab_old/; four V3-shape eager cells
 #   bash scripts/dev/gpu_session.sh replay  # where a CUDA-graph step's time goes (V3 shape, 32 x 4k): kernels per
-#                                           # category and the host's segments, flashinfer_mla and sdpa
+#                                           # category and the host's segments, flashinfer_mla and sdpa; with
+#                                           # REPLAY_PROFILE=1 also a cProfile of the step and the target cell
 #   bash scripts/dev/gpu_session.sh grid    # the V3-shape eager grid; its batch-1 1k cell three more times (the
 #                                           # cell closest to even); the CUDA-graph target cell
 #   bash scripts/dev/gpu_session.sh gen     # V2-Lite static-cache generate() at batch 1 and 8; host per layer
@@ -98,11 +99,17 @@ case "$1" in
     cd "$ROOT/scripts"
     run 200 replay.txt python3 dev/profile_replay.py --cells 32x4096 --attn flashinfer_mla sdpa --steps 20 --top 12 \
         --segments transformers.generation.utils:create_masks_for_generate \
-        hf_flashinfer_mla.masks:host_rows \
-        hf_flashinfer_mla.rows:GrowingMask.mask hf_flashinfer_mla.masks:attach_plan \
-        hf_flashinfer_mla.plan:StepPlan.load_graph_slots hf_flashinfer_mla.kernels.fa:upload \
-        hf_flashinfer_mla.plan:StepPlan.plan_next --out "$O" --name replay.json
-    grep -A12 "^== \|categories\|host per step" "$O/replay.txt" | grep -v "^  \|Loading\|warn" ;;
+        hf_flashinfer_mla.rows:GrowingMask.take_next hf_flashinfer_mla.plan:StepPlan.make_current \
+        hf_flashinfer_mla.plan:StepPlan.load_graph_slots hf_flashinfer_mla.plan:StepPlan.plan_next \
+        --out "$O" --name replay.json
+    grep -A12 "^== \|categories\|host per step" "$O/replay.txt" | grep -v "^  \|Loading\|warn"
+    if [ "${REPLAY_PROFILE:-}" = 1 ]; then  # cProfile of the host's step (torch's compiled call included)
+      run 90 profile_graphs.txt python3 dev/profile_step.py --graphs --cells 32x4096 --attn flashinfer_mla \
+          --out "$O" --name profile_graphs.txt
+      run 100 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
+          --steps 10 --time-limit 80 --out "$O" --name decode_graphs_target.json
+      for f in profile_graphs graphs; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -40; done
+    fi ;;
   bench)
     host_ab 50 old new
     run 170 grid.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 8 32 128 --context 1024 4096 16384 32768 \
