@@ -200,3 +200,41 @@ def test_warmed_up_static_generate_records_no_cuda_graph(monkeypatch):
     assert all(n >= 1 for n in control[1:])  # the control moved the cache, and recordings were counted
     del model, kept
     torch.cuda.empty_cache()
+
+
+def test_reset_frees_the_graph_buffers_and_generate_compiles_again():
+    """`hf_flashinfer_mla.reset()` after a compiled static generate(): torch's CUDA graphs and the package's
+    fixed-address buffers go (GPU memory drops by at least the float workspace FlashInfer's kernels share),
+    `captured_shapes()` is empty, and the same model's next compiled generate() compiles again, captures its shape on
+    fa3 again and gives the same tokens and logits."""
+    import gc
+
+    from hf_flashinfer_mla import buffers
+
+    model = _fresh_v3()
+    ids, mask = _batch((20, 13), seed=0)
+
+    def run():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                              cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+
+    first = run()
+    assert [(s.runs, s.batch) for s in hf_flashinfer_mla.captured_shapes()] == [("fa3", 2)]
+    assert "workspace" in buffers.held(DEV)
+    gc.collect()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated(DEV)
+    hf_flashinfer_mla.reset()
+    gc.collect()
+    freed = held - torch.cuda.memory_allocated(DEV)
+    print(f"reset(): {freed / 2**20:.0f} MiB freed (the float workspace alone: {buffers.WORKSPACE_BYTES / 2**20:.0f})")
+    assert hf_flashinfer_mla.captured_shapes() == [] and buffers.held(DEV) == {}
+    assert freed >= buffers.WORKSPACE_BYTES
+    again = run()
+    assert [(s.runs, s.batch) for s in hf_flashinfer_mla.captured_shapes()] == [("fa3", 2)]
+    assert torch.equal(again.sequences, first.sequences)
+    err, _ = _compare(torch.stack(again.logits, 1), torch.stack(first.logits, 1))
+    print(f"reset(): the compiled generate() after it vs before: logits rel err {err:.2e}")
+    assert err < LOGIT_TOL
+    del model, first, again
+    torch.cuda.empty_cache()
