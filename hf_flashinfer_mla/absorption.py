@@ -193,6 +193,8 @@ def _dense_copy(proj: nn.Module, rank: int, dtype: torch.dtype) -> tuple[torch.T
     cached = getattr(proj, _DENSE, None)
     if cached is not None and getattr(proj, "_flashinfer_mla_dense_key", None) == key:
         return _unpack(cached, proj)
+    if getattr(proj, "_flashinfer_mla_refused_key", None) == key:
+        return None  # found not linear in this very state: not probed again until the state changes
     if not _state_is_visible(proj):
         logger.warning_once(
             f"flashinfer_mla: kv_b_proj is a {type(proj).__name__}, whose output may depend on state this package "
@@ -202,6 +204,7 @@ def _dense_copy(proj: nn.Module, rank: int, dtype: torch.dtype) -> tuple[torch.T
         return None
     derived = _derive(proj, rank, dtype)
     if derived is None:
+        proj._flashinfer_mla_refused_key = key
         return None
     weight, bias = derived
     weight = _local(weight).to(dtype)
@@ -269,11 +272,10 @@ def _from_identity_basis(proj: nn.Module, rank: int, dtype: torch.dtype):
     tol = {torch.float64: 1e-9, torch.float32: 1e-3}.get(dtype, 1e-1)
     err = ((out[rank + 1:] - expected).float().norm() / expected.float().norm().clamp_min(1e-30)).item()
     if not torch.equal(out, again) or not err < tol:
-        logger.warning(
-            "flashinfer_mla: kv_b_proj (%s) is not a linear function of its input here (relative error %.1e, or "
+        logger.warning_once(
+            f"flashinfer_mla: kv_b_proj ({type(proj).__name__}) is not a linear function of its input here (or is "
             "non-deterministic: dropout in train mode?), so its weights cannot be absorbed; decode expands the latent "
-            "through the module itself, as sdpa does. Call model.eval() for absorbed decode.",
-            type(proj).__name__, err,
+            "through the module itself, as sdpa does. Call model.eval() for absorbed decode."
         )
         return None
     has_bias = bool(bias.abs().max() > 0)

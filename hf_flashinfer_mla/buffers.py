@@ -1,8 +1,9 @@
 """Device-owned buffers the FlashInfer kernels need, one set per device, allocated on first use.
 
 All three live for the whole process: kernels write scratch into them on every call and a captured CUDA graph keeps
-their addresses, so they are never freed or replaced except to grow. Keeping one per device matters when a model
-is split across GPUs: a kernel must never be handed another device's memory.
+their addresses, so they are never freed or replaced except to grow, or by `hf_flashinfer_mla.reset()`, which frees
+torch's CUDA graphs first. Keeping one per device matters when a model is split across GPUs: a kernel must never be
+handed another device's memory.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 ``flex_attention`` or a Hub kernel id, and runs in a process that never imports this package. This wrapper is the
 thinnest way in: it imports the package (which registers the implementation and continuous batching's paged latent
 cache), lets Transformers' `ModelManager` accept the name, and starts Transformers' own CLI with the same options.
-Two additions, both for MLA checkpoints:
+Three additions, all for MLA checkpoints:
 
 * ``--attn-implementation`` defaults to ``flashinfer_mla`` (any other value is passed through unchanged);
 * with ``--continuous-batching``, a model continuous batching cannot serve (see ``paged.refuse_unservable``) fails

@@ -251,11 +251,25 @@ def test_non_linear_kv_b_proj_is_expanded_with_one_warning(monkeypatch, caplog):
         m.kv_b_proj = curved.requires_grad_(False)
     ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
     calls = _count_reference_calls(monkeypatch)
+    probes = []  # the identity-basis probe: a forward over rank + 3 rows
+    real_forward = CurvedLinear.forward
+    monkeypatch.setattr(CurvedLinear, "forward", lambda self, x: (
+        probes.append(id(self)) if x.shape[0] == self.in_features + 3 else None, real_forward(self, x))[1])
     with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
+        for _ in range(2):  # a second call: nothing is probed or warned again while the modules stay as they are
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
     assert not calls
-    assert sum("not a linear function" in r.message for r in caplog.records) >= 1
+    assert sum("not a linear function" in r.message for r in caplog.records) == 1
+    # one probe per module (it runs the module twice, to see that it is deterministic)
+    assert sorted(probes) == sorted(2 * [id(m.kv_b_proj) for m in _attention_modules(model)])
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
+    for m in _attention_modules(model):  # a changed weight is a new state: probed again
+        with torch.no_grad():
+            m.kv_b_proj.weight.mul_(1.5)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert len(probes) == 4 * len(_attention_modules(model))  # (each probe runs the module twice)
     assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
 
 
