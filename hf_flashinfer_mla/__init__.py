@@ -35,6 +35,7 @@ def reset() -> None:
     fa.reset()
     buffers.reset()
 
+
 __all__ = [
     "ATTN_NAME",
     "BACKENDS",

@@ -364,7 +364,6 @@ def _(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested):
     return torch.empty_like(q_lat, memory_format=torch.contiguous_format)
 
 
-
 def layer_of(q_lat, kv_latent, k_rot, scale: float, topk: int = 0, sinks: bool = False) -> Layer:
     """The `Layer` spec of one call (its cache's pitch and packing read from the views' strides)."""
     return Layer(q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[0], kv_latent.shape[-1], k_rot.shape[-1],
