@@ -108,7 +108,7 @@ class StepPlan:
     def rows(self) -> Rows:
         """The step's rows: known on the host (no sync), or read off the mask once."""
         if self._rows is None:
-            self._rows = Rows.from_mask(self.mask[:, 0, -1, :], self.q_len)
+            self._rows = Rows.from_mask(self.mask[:, 0, -1, :], self.q_len, self.mask[:, 0])
         return self._rows
 
     def mask_on(self, device: torch.device) -> torch.Tensor:

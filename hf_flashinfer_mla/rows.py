@@ -31,7 +31,9 @@ def single_runs(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 @dataclass(eq=False)
 class Rows:
     """The visible rows of the *last* query token of each sequence, on the host; earlier query tokens of the same
-    step (assisted decoding) see a prefix of it, as a causal kernel gives them.
+    step (assisted decoding) see a prefix of it, as a causal kernel gives them. A step whose mask shows its earlier
+    query tokens anything else (a right-padded chunk: its padding tokens come last) is not `causal`, and no kernel
+    can serve it.
 
     Single-run rows (every mask Transformers builds) are ``[first[b], first[b] + lens[b])``; a mask with holes keeps
     its positions on the device (`positions`), and `first` is None."""
@@ -41,16 +43,24 @@ class Rows:
     first: torch.Tensor | None  # [B] int64, host
     positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, position), on the mask's device
     end: int | None = None  # the common end of every row, when they came from a `GrowingMask`
+    causal: bool = True  # every query token sees the last one's rows but the later query tokens' positions
 
     @classmethod
-    def from_mask(cls, valid: torch.Tensor, q_len: int) -> Rows:
-        """The rows marked in ``valid [B, S]``: one device-to-host copy of ``3 B`` values (a second, ``nonzero``,
-        only for a mask with holes)."""
+    def from_mask(cls, valid: torch.Tensor, q_len: int, queries: torch.Tensor | None = None) -> Rows:
+        """The rows marked in ``valid [B, S]`` (the last query token's): one device-to-host copy of ``4 B`` values
+        (a second, ``nonzero``, only for a mask with holes). `queries` ``[B, q_len, S]``: every query token's rows,
+        checked against what a causal kernel gives them (see `causal`)."""
         first, lens, one_run = single_runs(valid)
-        host = torch.stack([lens, first.int(), one_run.int()]).cpu()  # the sync
+        causal = torch.ones_like(one_run)
+        if queries is not None and q_len > 1:  # token i: the last one's positions but the last q_len - 1 - i
+            rank = valid.int().cumsum(-1) - 1
+            keep = lens[:, None] - torch.arange(q_len - 1, -1, -1, dtype=torch.int32, device=valid.device)
+            causal = ((valid[:, None, :] & (rank[:, None, :] < keep[:, :, None])) == queries).flatten(1).all(-1)
+        host = torch.stack([lens, first.int(), one_run.int(), causal.int()]).cpu()  # the sync
+        causal = bool(host[3].all())
         if bool(host[2].all()):
-            return cls(host[0].clone(), q_len, host[1].long())
-        return cls(host[0].clone(), q_len, None, valid.nonzero(as_tuple=True))
+            return cls(host[0].clone(), q_len, host[1].long(), causal=causal)
+        return cls(host[0].clone(), q_len, None, valid.nonzero(as_tuple=True), causal=causal)
 
     @property
     def batch(self) -> int:
@@ -102,6 +112,10 @@ class Rows:
         return Rows(visible.clamp(0, topk).reshape(-1).to(torch.int32), 1, None)
 
 
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
 def check_int32(rows: int, batch: int, pitch: int) -> None:
     if rows >= 2**31:
         raise ValueError(f"a cache of {batch} x {pitch} rows exceeds the kernels' int32 page indices")
@@ -147,10 +161,14 @@ class GrowingMask:
 
     @classmethod
     def of(cls, mask) -> GrowingMask | None:
-        return getattr(mask, cls.ATTR, None)
+        """The record attached to `mask`, unless the mask was written in place since (its version counter moved:
+        the record may no longer describe it, and the mask is then read exactly). Inference-mode tensors keep no
+        version counter: for those an in-place write goes unseen."""
+        held = getattr(mask, cls.ATTR, None)
+        return held[0] if held is not None and held[1] == _version(mask) else None
 
     def attach(self, mask: torch.Tensor) -> None:
-        setattr(mask, self.ATTR, self)
+        setattr(mask, self.ATTR, (self, _version(mask)))
 
     def grown(self, width: int) -> GrowingMask:
         """The same rows, grown to `width` (the next mask ``generate()`` builds)."""

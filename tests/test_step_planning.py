@@ -299,7 +299,7 @@ def test_guidance_forward_is_planned_from_its_own_mask(fake_hopper, monkeypatch)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, guidance_scale=1.5,
                    negative_prompt_ids=negative)
     guided = [[10 + t, 10 + t] for t in (1, 2, 3)]  # the guidance forward's 3 decode steps, read off their masks
-    assert [valid.sum(-1).tolist() for valid, _ in from_mask] == guided
+    assert [valid.sum(-1).tolist() for valid, *_ in from_mask] == guided
     main = [[12 + t, 9 + t] for t in (1, 2, 3, 4)]  # generate()'s (host rows), and the one planned ahead after
     fa3 = fake_hopper.modules["fa3"]
     assert sorted(p["kv_len"].tolist() for p in fa3.plans) == sorted(main + guided)
@@ -919,3 +919,64 @@ def test_decode_masks_from_host_rows_equal_sdpas(seed, monkeypatch):
             assert rows.end == width and rows.first.tolist() == (first.tolist() if attention_mask is not None
                                                                  else [0] * batch)
     assert built_by_sdpa == [] and from_mask == []  # every mask above came from the rows, and so did each plan
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_a_short_right_padded_forward_runs_the_reference_not_a_causal_kernel(fake_hopper, caplog, use_cache):
+    """A forward of at most 8 tokens takes the decode path. Right-padded, its earlier query tokens do not see a prefix
+    of the last one's rows that ends where a causal kernel ends it (the padding tokens come last), so fa3 and fa2
+    refuse the step, saying why, and the reference gives each valid token eager's logits. The control shows the
+    refusal is what keeps it right: a causal kernel planned from the last token's rows alone is off."""
+    model = make_model("deepseek_v3", dtype=F64)
+    eager = make_model("deepseek_v3", attn="eager", dtype=F64)
+    eager.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(0)
+    lengths = (5, 8, 3)
+    ids, mask = torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n], mask[i, :n] = torch.randint(1, VOCAB, (n,), generator=g), 1
+
+    def worst() -> float:
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=use_cache).logits
+        return max((logits[i, :n] - eager(input_ids=ids[i : i + 1, :n], use_cache=False).logits[0]).abs().max().item()
+                   for i, n in enumerate(lengths))
+
+    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+        assert worst() < 1e-6
+    assert any("the step's mask is not causal within the step" in w for w in package_warnings(caplog))
+    assert fake_hopper.modules.get("fa3") is None or fake_hopper.modules["fa3"].runs == 0
+    # The control: rows that claim to be causal send the step to fa3, which then attends over the wrong rows.
+    real_from_mask = Rows.from_mask.__func__
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Rows, "from_mask", classmethod(lambda cls, valid, q_len, queries=None: real_from_mask(
+            cls, valid, q_len)))
+        assert worst() > 1e-2 and fake_hopper.modules["fa3"].runs > 0
+
+
+@torch.no_grad()
+def test_a_2d_mask_written_in_place_between_steps_is_read_again(fake_hopper):
+    """A loop of the user's own grows the 2D mask with generate()'s mask update, then hides a prompt token in place
+    before the next step. The padding recorded on the mask (and the step planned ahead from it) no longer describes
+    it: the tensor's version counter moved, so the step is planned from the mask itself, and every later step too;
+    the logits stay eager's."""
+    model = make_model("deepseek_v3", dtype=F64)
+    eager = make_model("deepseek_v3", attn="eager", dtype=F64)
+    eager.load_state_dict(model.state_dict())
+    ids, mask, _ = left_padded_batch(lengths=(9, 4, 7))  # row 0 unpadded: eager's float64 batch is finite there
+    logits = {}
+    for name, m in (("ours", model), ("eager", eager)):
+        cache = MLALatentCache(m.config) if name == "ours" else DynamicCache(config=m.config)
+        msk = mask.clone()
+        out = m(input_ids=ids, attention_mask=msk, position_ids=(msk.cumsum(-1) - 1).clamp(min=0), cache=cache)
+        pos, steps = msk.sum(-1, keepdim=True), []
+        for step in range(4):
+            msk = m._update_model_kwargs_for_generation(out, {"attention_mask": msk})["attention_mask"]
+            if step == 2:
+                msk[0, 3] = 0  # in place: hide one prompt token of row 0
+            out = m(input_ids=torch.full((3, 1), 5 + step), attention_mask=msk, position_ids=pos + step, cache=cache)
+            steps.append(out.logits[0, -1])
+        logits[name] = torch.stack(steps)
+    diff = (logits["ours"] - logits["eager"]).abs().amax(-1)
+    assert diff.max() < 1e-6, diff.tolist()
+    assert fake_hopper.modules["fa3"].runs > 0  # the steps ran the (fake) kernel, not only the reference

@@ -32,6 +32,13 @@ class Refused(Exception):
     """A kernel declines this step (FlashInfer's validators, a cache layout it cannot read); the message says why."""
 
 
+def refuse_unless_causal(rows) -> None:
+    """`Refused` for a step whose earlier query tokens see other rows than a causal kernel gives them (`Rows.causal`:
+    a right-padded chunk of at most a few tokens, whose padding comes last)."""
+    if not rows.causal:
+        raise Refused("the step's mask is not causal within the step (right padding?)")
+
+
 @dataclass(frozen=True)
 class Layer:
     """What a kernel needs to know of one layer's call beyond the step's rows: operands' device, dtypes and dims,
