@@ -33,7 +33,7 @@ from .kernels import reference
 from .masks import MAX_DECODE_QUERY, selection_mask
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
 from .paged import allocator_of, attend as paged_attend
-from .plan import as_bool_mask, layer_of, step_plan
+from .plan import layer_of, step_plan
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
@@ -89,6 +89,7 @@ def flashinfer_mla_attention_forward(
             "with caches that bypass Transformers' mask creation (continuous batching / PagedAttentionCache), which "
             "are not supported: use generate() with the default DynamicCache or cache_implementation='static'."
         )
+    attention_mask = _fit_mask(attention_mask, query, kv_latent)
     scale = scaling if scaling is not None else module.qk_head_dim**-0.5
     if query.shape[1] != weights.num_heads:
         raise ValueError(
@@ -130,9 +131,9 @@ def _decode_compiled(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_bac
             '"static") for CUDA graphs.'
         )
     if indices is not None:
-        return reference.attend_sparse(as_bool_mask(mask), indices, scale, q_lat, q_pe, kv_latent, k_rot, sinks)
+        return reference.attend_sparse(mask, indices, scale, q_lat, q_pe, kv_latent, k_rot, sinks)
     if grad or sinks is not None or not mask_planned_outside_graph():
-        return reference.attend(as_bool_mask(mask), scale, q_lat, q_pe, kv_latent, k_rot, sinks)
+        return reference.attend(mask, scale, q_lat, q_pe, kv_latent, k_rot, sinks)
     requested = mla_backend or load_backend(module.config) or ""
     return torch.ops.hf_flashinfer_mla.decode_in_graph(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested)
 
@@ -149,6 +150,17 @@ def _attention_with_sinks(module, query, key_states, value_states, attention_mas
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min)
     return eager(module, query, key_states, value_states, attention_mask, scaling=scaling, dropout=dropout)
+
+
+def _fit_mask(mask: torch.Tensor, query: torch.Tensor, kv_latent: torch.Tensor) -> torch.Tensor:
+    """A decode step's mask at its query's batch size and length: a user's 4D mask may broadcast over them, as eager
+    and sdpa let it. One whose width is not the cache's is refused, as they refuse it (a kernel would read rows past
+    the cache)."""
+    if mask.shape[-1] != kv_latent.shape[2]:
+        raise ValueError(f"the attention mask covers {mask.shape[-1]} positions but the cache holds "
+                         f"{kv_latent.shape[2]}: a 4D mask's last dimension must be the cache's length")
+    shape = (query.shape[0], mask.shape[1], query.shape[2], mask.shape[3])
+    return mask if mask.shape == shape else mask.expand(shape)
 
 
 def _check_pitch(kv_latent: torch.Tensor, k_rot: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ import torch
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from .kernels.graphs import note_mask_built_in_graph, note_mask_planned
-from .plan import as_bool_mask, attach_plan
+from .plan import attach_plan
 from .rows import GrowingMask, Rows
 
 # Query tokens per sequence up to which a forward is treated as decode (absorbed attention). One token is plain
@@ -101,7 +101,7 @@ def _planned(mask: torch.Tensor, plan, growing) -> torch.Tensor:
 def selection_mask(attention_mask: torch.Tensor | None, indices: torch.Tensor, kv_length: int) -> torch.Tensor:
     """A sparse (DSA) layer's mask for a prefill chunk: the step's mask (None: causal) restricted to the positions its
     indexer selected, ``indices [B, Sq, topk]``, as DSA models build it for eager and sdpa. A negative index selects
-    nothing (indexers that pad their selection use -1)."""
+    nothing (indexers that pad their selection use -1). An additive mask stays additive, as DSA models keep it."""
     batch, q_len, _ = indices.shape
     idx = indices.long()
     picked = torch.zeros(batch, q_len, kv_length + 1, dtype=torch.bool, device=indices.device)
@@ -109,4 +109,6 @@ def selection_mask(attention_mask: torch.Tensor | None, indices: torch.Tensor, k
     if attention_mask is None:
         positions = torch.arange(kv_length, device=indices.device)
         return picked & (positions <= positions[kv_length - q_len:, None])
-    return as_bool_mask(attention_mask) & picked
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & picked
+    return attention_mask.masked_fill(~picked, torch.finfo(attention_mask.dtype).min)  # (keeping its bias)

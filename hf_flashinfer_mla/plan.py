@@ -33,21 +33,13 @@ from transformers.utils import logging
 from . import capabilities
 from .cache import FP8, dequantize_latent, latent_scales
 from .kernels import Layer, Refused, cache_pitch, fa, graphs, reference, trtllm
-from .rows import Rows
+from .rows import Rows, as_bool_mask
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
 PLAN_ATTR = "_flashinfer_mla_plan"
 # Each backend's builder and kernel (``kernels/__init__.py`` says what they are).
 FAMILIES = {"reference": reference, "fa3": fa, "fa2": fa, "trtllm-gen": trtllm, "cute-dsl": trtllm}
-
-
-def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
-    """The mask as booleans, True = attend. Additive masks (0 = attend, dtype min = masked), as ``eager`` builds
-    them or a user may pass, are converted; boolean masks are returned as they are."""
-    if mask.dtype == torch.bool:
-        return mask
-    return mask > torch.finfo(mask.dtype).min / 2
 
 
 @dataclass(eq=False)
@@ -85,7 +77,10 @@ class StepPlan:
         # again. Masks the plan makes (a boolean copy of an additive mask, copies for other devices) are its own.
         as_bool = as_bool_mask(mask)
         self._mask = weakref.ref(as_bool)
-        self._masks: dict[torch.device, torch.Tensor] = {as_bool.device: as_bool}
+        self._masks: dict[tuple, torch.Tensor] = {(as_bool.device, False): as_bool}
+        # An additive (float) mask, held as its boolean copy is: it may add a bias to the scores (`Rows.refusal`),
+        # which only the reference can add (`mask_on(device, additive=True)`).
+        self._additive = None if as_bool is mask else weakref.ref(mask)
         self.batch_size, _, self.q_len, self.kv_len = mask.shape
         self.device = mask.device
         self._rows = rows
@@ -105,21 +100,31 @@ class StepPlan:
             raise RuntimeError("flashinfer_mla: a step's plan outlived its attention mask")
         return mask
 
+    def additive_mask(self) -> torch.Tensor | None:
+        """The float mask the model passed (None: it passed a boolean one)."""
+        mask = None if self._additive is None else self._additive()
+        if mask is None and self._additive is not None:
+            raise RuntimeError("flashinfer_mla: a step's plan outlived its attention mask")
+        return mask
+
     def rows(self) -> Rows:
         """The step's rows: known on the host (no sync), or read off the mask once."""
         if self._rows is None:
-            self._rows = Rows.from_mask(self.mask[:, 0, -1, :], self.q_len, self.mask[:, 0])
+            self._rows = Rows.from_mask(self.mask[:, 0, -1, :], self.q_len, self.mask, self.additive_mask())
         return self._rows
 
-    def mask_on(self, device: torch.device) -> torch.Tensor:
-        """The mask on `device` (copied once per device and step, for models split across GPUs). A builder keeps
-        it weakly (``weakref.ref``), as the plan keeps its own mask."""
-        if device not in self._masks:
-            mask = self.mask
+    def mask_on(self, device: torch.device, additive: bool = False) -> torch.Tensor:
+        """The mask on `device` (copied once per device and step, for models split across GPUs); `additive`: the
+        mask as the model passed it where that was a float mask, whose values the reference adds to the scores. A
+        builder keeps it weakly (``weakref.ref``), as the plan keeps its own mask."""
+        source = self.additive_mask() if additive else None
+        key = (device, source is not None)
+        if key not in self._masks:
+            mask = self.mask if source is None else source
             if mask.device == device:
                 return mask
-            self._masks[device] = mask.to(device, non_blocking=True)
-        return self._masks[device]
+            self._masks[key] = mask.to(device, non_blocking=True)
+        return self._masks[key]
 
     # ------------------------------------------------------------------------------------------------- routing
     def route(self, key: tuple, layer: Layer, requested: str, grad: bool) -> Route:
@@ -155,7 +160,9 @@ class StepPlan:
         """The route of a compiled decode step while torch warms its graph up: the slot of this shape on the backend
         this step would take (its metadata at fixed addresses, loaded for this step), or the reference backend."""
         backend = self._backend(layer, requested, False)
-        if layer.kv_dtype == FP8 or backend == "reference":
+        # (a float mask's bias and a mask per head are what `route`'s rows would refuse; a slot reads no rows)
+        mask_fits = self._additive is None and self.source_shape[1] == 1
+        if layer.kv_dtype == FP8 or backend == "reference" or not mask_fits:
             return GraphSlotRoute("reference", None, layer)
         slot_key = (backend, layer, self.batch_size, self.q_len, self.kv_len)
         fresh = slot_key not in graphs._slots
@@ -241,7 +248,7 @@ class GraphSlotRoute:
 
     def run(self, q_lat, q_pe, kv_latent, k_rot, mask) -> torch.Tensor:
         if self.backend == "reference":
-            return reference.run(as_bool_mask(mask), self.layer, q_lat, q_pe, kv_latent, k_rot)
+            return reference.run(mask, self.layer, q_lat, q_pe, kv_latent, k_rot)
         return self.slot.run(q_lat, q_pe, kv_latent, k_rot)
 
 
@@ -297,7 +304,7 @@ def attach_plan(mask: torch.Tensor, rows: Rows | None = None, config=None, curre
     step (False for a step planned ahead, which becomes current when the mask function hands it out)."""
     plan = StepPlan(mask, rows, config)
     if mask.dtype == torch.bool:
-        del plan._masks[mask.device]  # the mask owns the plan: held weakly from here on
+        del plan._masks[(mask.device, False)]  # the mask owns the plan: held weakly from here on
     setattr(mask, PLAN_ATTR, plan)
     if current:
         plan.make_current()

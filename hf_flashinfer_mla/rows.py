@@ -19,6 +19,16 @@ from typing import Any
 import torch
 
 
+def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as booleans, True = attend. Additive masks (0 = attend, dtype min = masked), as ``eager`` builds
+    them or a user may pass, are converted (any value above half the dtype's minimum counts as shown: a finite
+    masking value such as -1e4 too, which only its bias then masks, see `Rows.refusal`); boolean masks are returned
+    as they are."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
 def single_runs(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(first, lens, one_run)`` per row of ``valid [B, S]`` (device tensors, no sync): a row is one run when its
     valid positions are ``[first, first + lens)`` (an empty row is one run of length 0, starting at 0)."""
@@ -31,9 +41,10 @@ def single_runs(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 @dataclass(eq=False)
 class Rows:
     """The visible rows of the *last* query token of each sequence, on the host; earlier query tokens of the same
-    step (assisted decoding) see a prefix of it, as a causal kernel gives them. A step whose mask shows its earlier
-    query tokens anything else (a right-padded chunk: its padding tokens come last) is not `causal`, and no kernel
-    can serve it.
+    step (assisted decoding) see a prefix of it, as a causal kernel gives them. Rows read off a mask no kernel can
+    express carry the `refusal` that says why: a mask whose earlier query tokens see anything else (a right-padded
+    chunk: its padding tokens come last), one per head, or an additive mask that adds other values than 0 to the
+    scores it shows (an ALiBi-like bias, or a finite masking value such as -1e4), which only the reference adds.
 
     Single-run rows (every mask Transformers builds) are ``[first[b], first[b] + lens[b])``; a mask with holes keeps
     its positions on the device (`positions`), and `first` is None."""
@@ -43,24 +54,33 @@ class Rows:
     first: torch.Tensor | None  # [B] int64, host
     positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, position), on the mask's device
     end: int | None = None  # the common end of every row, when they came from a `GrowingMask`
-    causal: bool = True  # every query token sees the last one's rows but the later query tokens' positions
+    refusal: str | None = None  # why no kernel can serve these rows (`kernels.refuse_inexpressible`)
 
     @classmethod
-    def from_mask(cls, valid: torch.Tensor, q_len: int, queries: torch.Tensor | None = None) -> Rows:
-        """The rows marked in ``valid [B, S]`` (the last query token's): one device-to-host copy of ``4 B`` values
-        (a second, ``nonzero``, only for a mask with holes). `queries` ``[B, q_len, S]``: every query token's rows,
-        checked against what a causal kernel gives them (see `causal`)."""
+    def from_mask(cls, valid: torch.Tensor, q_len: int, mask: torch.Tensor | None = None,
+                  additive: torch.Tensor | None = None) -> Rows:
+        """The rows marked in ``valid [B, S]`` (the last query token's): one device-to-host copy of ``5 B`` values
+        (a second, ``nonzero``, only for a mask with holes). `mask` ``[B, 1, q_len, S]``: the step's whole boolean
+        mask, checked for what a kernel cannot express (see `refusal`); `additive`: the mask as the model passed
+        it, when that was a float mask, checked for a bias."""
         first, lens, one_run = single_runs(valid)
-        causal = torch.ones_like(one_run)
-        if queries is not None and q_len > 1:  # token i: the last one's positions but the last q_len - 1 - i
+        checks = {}  # refusal -> [B] bool, True where a row passes
+        if mask is not None and q_len > 1:  # token i: the last one's positions but the last q_len - 1 - i
             rank = valid.int().cumsum(-1) - 1
             keep = lens[:, None] - torch.arange(q_len - 1, -1, -1, dtype=torch.int32, device=valid.device)
-            causal = ((valid[:, None, :] & (rank[:, None, :] < keep[:, :, None])) == queries).flatten(1).all(-1)
-        host = torch.stack([lens, first.int(), one_run.int(), causal.int()]).cpu()  # the sync
-        causal = bool(host[3].all())
+            checks["the step's mask is not causal within the step (right padding, or a tree of drafts?)"] = (
+                (valid[:, None, :] & (rank[:, None, :] < keep[:, :, None])) == mask[:, 0]).flatten(1).all(-1)
+        if additive is not None:
+            checks["the step's float mask adds a bias to the scores it shows (an ALiBi-like bias, or a finite "
+                   "masking value)"] = ~((additive != 0) & as_bool_mask(additive)).flatten(1).any(-1)
+        host = torch.stack([lens, first.int(), one_run.int(), *(c.int() for c in checks.values())]).cpu()  # the sync
+        failed = [reason for reason, passed in zip(checks, host[3:]) if not bool(passed.all())]
+        if mask is not None and mask.shape[1] != 1:
+            failed.insert(0, "the step's mask has a row per head")
+        refusal = failed[0] if failed else None
         if bool(host[2].all()):
-            return cls(host[0].clone(), q_len, host[1].long(), causal=causal)
-        return cls(host[0].clone(), q_len, None, valid.nonzero(as_tuple=True), causal=causal)
+            return cls(host[0].clone(), q_len, host[1].long(), refusal=refusal)
+        return cls(host[0].clone(), q_len, None, valid.nonzero(as_tuple=True), refusal=refusal)
 
     @property
     def batch(self) -> int:

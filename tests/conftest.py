@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -155,6 +156,26 @@ def mla_layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "kv_b_proj")]
 
 
+@contextlib.contextmanager
+def kv_b_proj_rows(model):
+    """Rows each MLA layer's kv_b_proj receives while the block runs (one entry per call with a sequence-shaped
+    input ``[B, 1, S, rank]``: an expansion of cached latents; a derivation of its matrix does not count). Recorded
+    by wrapping each module's forward on the instance, not with a forward hook: the package honours hooks on
+    kv_b_proj by expanding the latent through the module, which would change what is measured."""
+    rows, projs = [], [m.kv_b_proj for m in mla_layers(model)]
+    for proj in projs:
+        def forward(x, *args, _inner=proj.forward, **kwargs):
+            if x.dim() >= 3:
+                rows.append(x.shape[:-1].numel())
+            return _inner(x, *args, **kwargs)
+        proj.forward = forward
+    try:
+        yield rows
+    finally:
+        for proj in projs:
+            del proj.forward
+
+
 def left_padded_batch(seed: int = 1, lengths=(7, 4, 9)):
     """Token ids [B, max_len] left-padded with 0, their mask, and the unpadded prompts."""
     g = torch.Generator().manual_seed(seed)
@@ -198,6 +219,30 @@ def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=
         logits.append(out.logits)
         done += n
     return torch.cat(logits, dim=1)
+
+
+def additive_mask(attention_mask: torch.Tensor, q_len: int, kind: str = "alibi", dtype=torch.float64) -> torch.Tensor:
+    """A 4D float mask ``[B, 1, q_len, S]`` for a step of the last `q_len` tokens of the 2D `attention_mask`
+    ``[B, S]``, hiding the future and its zeros: "alibi" adds -0.5 per position of distance to what it shows and
+    hides with the dtype's minimum; "finite" shows with 0 and hides with -1e4, as BERT-style code does; "plain"
+    shows with 0 and hides with the minimum, as eager's own masks do. Feed it to `decode_logits` through
+    ``forward=with_4d_masks(model, kind)``."""
+    kv_len = attention_mask.shape[-1]
+    q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+    shown = (torch.arange(kv_len) <= q_pos) & attention_mask.bool()[:, None, None, :]
+    if kind == "finite":
+        return torch.zeros(shown.shape, dtype=dtype).masked_fill(~shown, -1e4)
+    distance = (q_pos - torch.arange(kv_len)).to(dtype) * (kind == "alibi")
+    return (-0.5 * distance).expand(shown.shape).masked_fill(~shown, torch.finfo(dtype).min)
+
+
+def with_4d_masks(model, kind: str = "alibi", reshape=None):
+    """A decode step's forward that hands `model` the step's `additive_mask` instead of its 2D mask (passed through
+    `reshape` first, if given)."""
+    def forward(input_ids, attention_mask, **kwargs):
+        mask = additive_mask(attention_mask, input_ids.shape[1], kind)
+        return model(input_ids=input_ids, attention_mask=mask if reshape is None else reshape(mask), **kwargs)
+    return forward
 
 
 def eager_alone(model, prompts, forced, chunks=None) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from conftest import (
     make_model,
     package_warnings,
     rel_err,
+    with_4d_masks,
 )
 from fake_flashinfer import FakeMLAModule, fake_hopper  # noqa: F401  (fixture)
 from flashinfer.mla._batch_mla._backends import _fa_common
@@ -949,7 +950,7 @@ def test_a_short_right_padded_forward_runs_the_reference_not_a_causal_kernel(fak
     # The control: rows that claim to be causal send the step to fa3, which then attends over the wrong rows.
     real_from_mask = Rows.from_mask.__func__
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Rows, "from_mask", classmethod(lambda cls, valid, q_len, queries=None: real_from_mask(
+        mp.setattr(Rows, "from_mask", classmethod(lambda cls, valid, q_len, *checks: real_from_mask(
             cls, valid, q_len)))
         assert worst() > 1e-2 and fake_hopper.modules["fa3"].runs > 0
 
@@ -980,3 +981,90 @@ def test_a_2d_mask_written_in_place_between_steps_is_read_again(fake_hopper):
     diff = (logits["ours"] - logits["eager"]).abs().amax(-1)
     assert diff.max() < 1e-6, diff.tolist()
     assert fake_hopper.modules["fa3"].runs > 0  # the steps ran the (fake) kernel, not only the reference
+
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["alibi", "finite"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["fa3", "reference"])
+def test_an_additive_mask_that_adds_a_bias_gets_eagers_logits(request, caplog, kind, kernel):
+    """A 4D float mask of the user's own is additive, as eager reads it: its values where it shows a position (an
+    ALiBi-like bias, or 0 beside a finite masking value such as -1e4, which then masks through its size alone)
+    are added to the scores. Decode steps of 1 and 3 tokens over such masks give eager's logits: the reference adds
+    the mask's values, and fa3, which can only show or hide a row, refuses the step with one warning. The control:
+    rows that do not report the bias send the step to fa3, which drops it."""
+    fake = request.getfixturevalue("fake_hopper") if kernel else None
+    model = make_model("deepseek_v3", dtype=F64)
+    eager = make_model("deepseek_v3", attn="eager", dtype=F64)
+    eager.load_state_dict(model.state_dict())
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 2] = 0  # a hole in row 1's history (no padding: eager's float64 batch is finite)
+    forced = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+
+    def run(m):
+        return decode_logits(m, ids, mask, forced=forced, chunks=[1, 3, 1], forward=with_4d_masks(m, kind))
+
+    expected = run(eager)
+    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+        assert (run(model) - expected).abs().max() < 1e-6
+    if not kernel:
+        return
+    assert any("the step's float mask adds a bias to the scores" in w for w in package_warnings(caplog))
+    assert fake.modules.get("fa3") is None or fake.modules["fa3"].runs == 0
+    real_from_mask = Rows.from_mask.__func__
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Rows, "from_mask", classmethod(lambda cls, valid, q_len, queries=None, additive=None: (
+            real_from_mask(cls, valid, q_len, queries))))
+        assert (run(model) - expected).abs().max() > 1e-2 and fake.modules["fa3"].runs > 0
+
+
+def _per_head(mask: torch.Tensor) -> torch.Tensor:
+    """The mask repeated for 4 heads, head h also hiding position h."""
+    heads = mask.repeat(1, 4, 1, 1)
+    for h in range(4):
+        heads[:, h, :, h] = torch.finfo(mask.dtype).min
+    return heads
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", ["per_head", "one_for_the_batch"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["fa3", "reference"])
+def test_4d_masks_per_head_or_broadcast_over_the_batch_get_eagers_logits(request, caplog, form, kernel):
+    """A user's 4D mask may hold a row per head (``[B, H, q, S]``) or one row for the whole batch (``[1, 1, q, S]``),
+    as eager and sdpa broadcast them. A kernel plans one set of rows per sequence, so fa3 refuses a mask per head
+    (one warning; the reference applies each head's) and runs a batch-wide mask expanded to the batch."""
+    fake = request.getfixturevalue("fake_hopper") if kernel else None
+    model = make_model("deepseek_v3", dtype=F64)
+    eager = make_model("deepseek_v3", attn="eager", dtype=F64)
+    eager.load_state_dict(model.state_dict())
+    ids = torch.randint(1, VOCAB, (3, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    forced = torch.randint(1, VOCAB, (3, 5), generator=torch.Generator().manual_seed(4))
+    reshape = _per_head if form == "per_head" else (lambda m: m[:1])
+
+    def run(m):
+        return decode_logits(m, ids, mask, forced=forced, chunks=[1, 3, 1],
+                             forward=with_4d_masks(m, "plain", reshape))
+
+    expected = run(eager)
+    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+        assert (run(model) - expected).abs().max() < 1e-6
+    if kernel and form == "per_head":
+        assert any("the step's mask has a row per head" in w for w in package_warnings(caplog))
+        assert fake.modules.get("fa3") is None or fake.modules["fa3"].runs == 0
+    elif kernel:
+        assert fake.modules["fa3"].runs > 0
+
+
+@torch.no_grad()
+def test_a_4d_mask_wider_than_the_cache_is_refused_naming_the_cause(fake_hopper):
+    """eager and sdpa refuse a mask whose width is not the cache's length; a kernel would read rows past the cache,
+    so the decode step refuses it too, saying what must match."""
+    model = make_model("deepseek_v3", dtype=F64)
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    cache = MLALatentCache(model.config)
+    model(input_ids=ids, cache=cache)
+    wide = torch.ones(2, 1, 1, 9, dtype=torch.bool)  # the cache will hold 7 rows
+    with pytest.raises(ValueError, match="covers 9 positions but the cache holds 7"):
+        model(input_ids=ids[:, :1], attention_mask=wide, position_ids=torch.full((2, 1), 6), cache=cache)

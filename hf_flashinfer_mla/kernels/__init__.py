@@ -18,7 +18,7 @@ between them (FlashInfer's kernels take their query's and output's strides).
 
 A builder that cannot serve a step raises `Refused`, with the reason; the step's plan (``plan.py``) then tries the
 next backend of its chain (``capabilities.fallbacks``). Builders read the step through three attributes only
-(``rows()``, ``mask_on(device)``, ``q_len``), so no kernel module imports the plan.
+(``rows()``, ``mask_on(device, additive)``, ``q_len``), so no kernel module imports the plan.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ class Refused(Exception):
     """A kernel declines this step (FlashInfer's validators, a cache layout it cannot read); the message says why."""
 
 
-def refuse_unless_causal(rows) -> None:
-    """`Refused` for a step whose earlier query tokens see other rows than a causal kernel gives them (`Rows.causal`:
-    a right-padded chunk of at most a few tokens, whose padding comes last)."""
-    if not rows.causal:
-        raise Refused("the step's mask is not causal within the step (right padding?)")
+def refuse_inexpressible(rows) -> None:
+    """`Refused` for a step whose mask no kernel's rows express (`Rows.refusal` says why: right padding in a chunk of
+    a few tokens, a mask per head, an additive mask with a bias)."""
+    if rows.refusal is not None:
+        raise Refused(rows.refusal)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import transformers.utils.logging  # noqa: F401  (gives logging.Logger its info_
 
 from ..buffers import identity_rows, workspace_buffer
 from ..rows import Rows, check_int32, to_device
-from . import Refused, cache_pitch, refuse_unless_causal
+from . import Refused, cache_pitch, refuse_inexpressible
 
 logger = logging.getLogger("hf_flashinfer_mla")
 
@@ -332,7 +332,7 @@ def build(backend: str, step, layer, into: FaMetadata | None = None, staged: Sta
     causal = step.q_len > 1
     if layer.sinks:
         raise Refused("FlashInfer's MLA decode kernels take no attention sinks")
-    refuse_unless_causal(step.rows())
+    refuse_inexpressible(step.rows())
     if layer.topk:
         if into is not None or not uses_generated_module():
             raise Refused("sparse decode runs on FlashInfer's generated MLA module only, uncompiled, on a release in "

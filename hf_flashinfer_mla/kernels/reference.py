@@ -3,8 +3,9 @@
 Runs on any device and dtype and for any latent width (``kv_lora_rank``) or rope width. It is the fallback where
 no FlashInfer kernel serves, and the oracle the kernels are tested against. It follows Transformers' ``eager``
 semantics exactly (masked scores filled with the dtype minimum, softmax in at least float32), so in float64 it
-matches ``eager`` to rounding. Its metadata is the step's boolean mask on the layer's device, held weakly: the
-mask owns the step's plan, which holds this metadata (``plan.py`` says why no cycle may form).
+matches ``eager`` to rounding. Its metadata is the step's mask on the layer's device, held weakly: the mask owns
+the step's plan, which holds this metadata (``plan.py`` says why no cycle may form). That mask is the float mask
+itself where the model passed one, since its values may add a bias to the scores, as ``eager`` adds them.
 
 A sparse layer (``layer.topk``) gathers the selected rows of each query token and attends over those of them that
 its mask shows (`attend_sparse`): exactly what ``eager`` computes with the indexer's selection folded into its mask,
@@ -17,9 +18,11 @@ import weakref
 
 import torch
 
+from ..rows import as_bool_mask
+
 
 def build(backend: str, step, layer, into=None, staged=None) -> weakref.ref:
-    return weakref.ref(step.mask_on(layer.device))
+    return weakref.ref(step.mask_on(layer.device, additive=True))
 
 
 def run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None, sinks=None) -> torch.Tensor:
@@ -36,6 +39,15 @@ def attend(mask, scale: float, q_lat, q_pe, kv_latent, k_rot, sinks=None) -> tor
     out = mla_attention_reference(q_lat.view(h, b, sq, rank).transpose(0, 1), q_pe.view(b, sq, h, -1).transpose(1, 2),
                                   kv_latent, k_rot, mask, scale, sinks)
     return out.transpose(0, 1).reshape(h, n, rank)
+
+
+def masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`scores` under `mask` as ``eager`` applies it: the dtype's minimum where it hides a position and, where an
+    additive (float) mask shows one, its value added (0, or a bias)."""
+    keep = as_bool_mask(mask)
+    if keep is not mask:
+        scores = scores + torch.where(keep, mask, 0).to(scores.dtype)
+    return scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, head_dim: int, dtype) -> torch.Tensor:
@@ -67,7 +79,7 @@ def mla_attention_reference(
         q_pe: ``[B, H, Sq, R]`` rotary part of the query.
         kv_latent: ``[B, 1, Skv, L]`` cached latent (keys and values at once).
         k_rot: ``[B, 1, Skv, R]`` cached rotary key.
-        mask: ``[B, 1, Sq, Skv]`` bool, True = attend.
+        mask: ``[B, 1, Sq, Skv]`` bool, True = attend, or additive (see `masked`).
         scale: softmax scale.
         sinks: ``[H]`` attention-sink logits, or None.
 
@@ -81,8 +93,7 @@ def mla_attention_reference(
     # where a broadcasting matmul would materialise a copy of the cache per head.
     scores = torch.bmm(q_lat.reshape(b, h * s, rank), ckv.transpose(1, 2))
     scores = scores + torch.bmm(q_pe.reshape(b, h * s, -1), kpe.transpose(1, 2))
-    scores = scores.view(b, h, s, -1) * scale
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    scores = masked(scores.view(b, h, s, -1) * scale, mask)
     probs = softmax_with_sinks(scores, sinks, 1, q_lat.dtype)
     out = torch.bmm(probs.view(b, h * s, -1), ckv)
     return out.view(b, h, s, rank)
@@ -95,7 +106,9 @@ def attend_sparse(mask, indices, scale: float, q_lat, q_pe, kv_latent, k_rot, si
     h, n, rank = q_lat.shape
     b, sq, k = indices.shape
     idx = indices.long()
-    valid = (idx >= 0) & mask[:, 0].gather(2, idx.clamp_min(0))  # [B, Sq, K]
+    picked = mask[:, 0].gather(2, idx.clamp_min(0))  # [B, Sq, K]: the mask at the selected positions
+    picked = (picked & (idx >= 0) if picked.dtype == torch.bool
+              else picked.masked_fill(idx < 0, torch.finfo(picked.dtype).min))
     flat = idx.clamp_min(0).view(b, sq * k, 1)
 
     def rows(cache):  # [B, 1, S, D] -> the selected rows [B, Sq, K, D]
@@ -104,6 +117,6 @@ def attend_sparse(mask, indices, scale: float, q_lat, q_pe, kv_latent, k_rot, si
     ckv, kpe = rows(kv_latent), rows(k_rot)
     scores = torch.einsum("hbsl,bskl->bshk", q_lat.view(h, b, sq, rank), ckv)
     scores = (scores + torch.einsum("bshr,bskr->bshk", q_pe.view(b, sq, h, -1), kpe)) * scale
-    scores = scores.masked_fill(~valid[:, :, None, :], torch.finfo(scores.dtype).min)
+    scores = masked(scores, picked[:, :, None, :])
     probs = softmax_with_sinks(scores, sinks, 2, q_lat.dtype)
     return torch.einsum("bshk,bskl->hbsl", probs, ckv).reshape(h, n, rank)

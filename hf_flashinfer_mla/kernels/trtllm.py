@@ -33,7 +33,7 @@ import torch
 
 from ..buffers import multi_ctas_kv_counter_buffer, workspace_buffer
 from ..rows import to_device
-from . import Refused, refuse_unless_causal
+from . import Refused, refuse_inexpressible
 
 PAGE_SIZE = 64  # trtllm-gen takes 32 or 64 tokens per page
 # The counter buffer is sized for at least this many query tokens (batch x tokens per sequence), then in powers of
@@ -108,7 +108,7 @@ def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=
     if layer.sinks:
         raise Refused("FlashInfer's MLA decode kernels take no attention sinks")
     rows = step.rows()
-    refuse_unless_causal(rows)
+    refuse_inexpressible(rows)
     if layer.topk:
         return _sparse(backend, rows, layer, into)
     if into is not None:
