@@ -20,8 +20,15 @@ Where the dense matrix comes from:
   ``.to()``, is never saved, and is re-derived when any parameter or buffer of the module changes (identity or
   version), so it can never be stale. It costs ``rows * kv_lora_rank`` activation-dtype values per layer (32 MiB
   per layer for DeepSeek-V3 in bf16), paid only by layers that decode. Such a module gives no absorbed path when
-  its parameters need gradients, or when its forward is not linear (dropout in train mode, say): the attention
-  then expands the latent through the module itself, as sdpa does (`absorbed_weights` returns None).
+  its parameters need gradients, or when its forward is not linear (dropout in train mode, say).
+
+Where no absorbed weight can be trusted to compute what the module computes, the attention expands the latent
+through the module itself, as sdpa does (`absorbed_weights` returns None, after one warning saying why,
+`unabsorbable`): forward hooks on the module (PEFT's per-row ``adapter_names``, pruning, a user's hook; tensor
+parallelism's own are the exception, its local shards already account for them), weights offloaded to the meta
+device (accelerate's CPU or disk offload loads them only inside the module's forward), and, for a derived copy,
+state no key can watch (an ``nn.Linear`` subclass's plain attributes, inference tensors, whose in-place changes
+leave no version behind).
 """
 
 from __future__ import annotations
@@ -34,16 +41,23 @@ from typing import Callable
 import torch
 import transformers.utils.logging  # noqa: F401  (adds `info_once` to loggers)
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 logger = logging.getLogger("hf_flashinfer_mla")
 
 # A documented cache: each attention module's W_UK/W_UV views of its plain kv_b_proj weight, for inference, with
-# what the views depend on (the linear, its weight and bias objects, their storage and shape; a view follows the
-# weight's values). Weak, and kept off the module, so an entry dies with its module and deepcopy or a state dict
+# what the views depend on (the linear, its weight and bias objects, their storage, the hooks that may run on it;
+# a view follows the weight's values). Weak, and kept off the module, so an entry dies with its module and deepcopy or a state dict
 # never sees it.
 _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _DENSE = "_flashinfer_mla_dense"  # buffer name on kv_b_proj: [rows, rank] (+1 row: the bias) in the activation dtype
+
+# A documented cache: for each kv_b_proj with a derived copy (or found not linear), the key of the state it was
+# derived in (`_source_key`), whether the copy holds a bias row, and the tensors of that state. Holding them keeps
+# their memory from being reused by a new weight (``weight.data = ...`` bumps no version), so an address in the key
+# names one tensor only. Weak and off the module: a deepcopy or a reloaded module derives its own copy.
+_derived: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -79,17 +93,24 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights |
     inference = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
     if inference:  # (autograd: each forward's graph gets its own views; a compiled graph holds its own)
         hit = _views.get(module)
-        if hit is not None and hit[0] is proj:  # (then a plain nn.Linear: its parameters read off its dict, fast)
-            weight, bias = proj._parameters["weight"], proj._parameters.get("bias")
-            if weight is hit[1] and bias is hit[2] and _storage(weight, bias, hit[3]) == hit[4]:
+        if hit is not None and hit[0] is proj and type(proj) is nn.Linear:  # (its parameters read off its dict)
+            weight, bias = proj._parameters.get("weight"), proj._parameters.get("bias")
+            if (weight is hit[1] and bias is hit[2] and _storage(weight, bias, hit[3]) == hit[4]
+                    and _hooks_key(proj) == hit[6]):
                 return hit[5]
+    reason = unabsorbable(proj)
+    if reason is not None:
+        logger.warning_once(f"flashinfer_mla: {reason}, so its weights are not absorbed: decode expands the latent "
+                            "through the module itself, as sdpa does.")
+        return None
     if _is_plain_linear(proj):
         weight, bias = _local(proj.weight), _local(proj.bias)
         if not inference:
             return _split(module, weight, bias)
         views = _split(module, weight, bias)
         sharded = isinstance(proj.weight, DTensor)
-        _views[module] = (proj, proj.weight, proj.bias, sharded, _storage(proj.weight, proj.bias, sharded), views)
+        _views[module] = (proj, proj.weight, proj.bias, sharded, _storage(proj.weight, proj.bias, sharded), views,
+                          _hooks_key(proj))
         return views
     if torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters()):
         return None  # a derived copy would carry no gradient to the module's own parameters
@@ -98,6 +119,46 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights |
         return None
     weight, bias = dense
     return _split(module, weight, bias)
+
+
+def unabsorbable(proj: nn.Module) -> str | None:
+    """Why no absorbed weight computes what `proj` computes (see the module's docstring), or None."""
+    hooks = [*_nn_module._global_forward_pre_hooks.values(), *_nn_module._global_forward_hooks.values()]
+    for m in proj.modules():
+        hooks += [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+    names = sorted({_name(h) for h in hooks if not _where(h).startswith("torch.distributed")})
+    if names:
+        return f"kv_b_proj has forward hooks ({', '.join(names)}) that absorbed decode would skip"
+    if any(t.is_meta for t in proj.parameters()):
+        return "kv_b_proj's weights are offloaded (on the meta device until its forward loads them)"
+    if _is_plain_linear(proj):
+        return None
+    if not _state_is_visible(proj):
+        return (f"kv_b_proj is a {type(proj).__name__}, whose output may depend on state this package cannot watch "
+                "for changes, such as plain attributes (a derived copy could go stale; if it depends on its tensors "
+                "alone, add its class name to hf_flashinfer_mla.absorption.KNOWN_LINEARS)")
+    if any(t.is_inference() for t in _sources(proj)):
+        return ("kv_b_proj's tensors are inference tensors (made under torch.inference_mode()), whose in-place "
+                "changes leave no trace, so a derived copy could go stale; load the model under torch.no_grad() "
+                "instead for absorbed decode")
+    return None
+
+
+def _hooks_key(proj: nn.Module) -> tuple:
+    """The forward hooks that may run on `proj` (their handles' ids): tensor parallelism's, registered once, keep
+    the views of `_views`; any hook added or removed since makes `unabsorbable` look again."""
+    return (tuple(proj._forward_pre_hooks), tuple(proj._forward_hooks), tuple(_nn_module._global_forward_pre_hooks),
+            tuple(_nn_module._global_forward_hooks))
+
+
+def _where(hook) -> str:
+    hook = getattr(hook, "func", hook)  # (a functools.partial)
+    return getattr(hook, "__module__", None) or type(hook).__module__
+
+
+def _name(hook) -> str:
+    hook = getattr(hook, "func", hook)
+    return f"{_where(hook)}.{getattr(hook, '__qualname__', type(hook).__qualname__)}"
 
 
 def _storage(weight: torch.Tensor, bias: torch.Tensor | None, sharded: bool) -> tuple:
@@ -144,8 +205,9 @@ DEQUANTIZERS: dict[str, Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, t
 }
 
 
-# Quantized linears whose output depends only on their parameters, buffers and training flag (all in the key
-# below), besides every nn.Linear subclass and torch.nn's own modules.
+# Linear classes (by name) whose output depends only on their parameters, buffers and training flag (all in the key
+# below), besides torch.nn's own modules and PEFT's LoRA layers: the quantized linears of the libraries Transformers
+# loads. A user's own class joins them by adding its name here.
 KNOWN_LINEARS = {
     "FP8Linear", "Linear4bit", "Linear8bitLt", "QuantLinear", "WQLinear_GEMM", "WQLinear_GEMV", "WQLinear_Exllama",
     "WQLinear_ExllamaV2", "CompressedLinear", "HQQLinear", "QLinear", "FbgemmFp8Linear",
@@ -164,24 +226,25 @@ def _peft_state(proj: nn.Module) -> tuple:
 
 def _state_is_visible(proj: nn.Module) -> bool:
     """Whether the key below sees everything `proj` computes with: its tensors and training flags, and PEFT's
-    switches for PEFT layers. Any other module might keep state in plain attributes that no key can see."""
-    for m in proj.modules():
-        if _is_peft_lora(m) or isinstance(m, nn.Linear) or type(m).__name__ in KNOWN_LINEARS:
-            continue
-        if not type(m).__module__.startswith("torch.nn"):
-            return False
-    return True
+    switches for PEFT layers. Any other module, an ``nn.Linear`` subclass of the user's included, might keep state
+    in plain attributes that no key can see."""
+    return all(_is_peft_lora(m) or type(m).__name__ in KNOWN_LINEARS or type(m).__module__.startswith("torch.nn")
+               for m in proj.modules())
 
 
-def _source_key(proj: nn.Module, dtype: torch.dtype) -> tuple:
-    """Identity and version of everything the module computes with: any change (``load_state_dict``, ``.to()``,
+def _sources(proj: nn.Module) -> list[torch.Tensor]:
+    """Every tensor `proj` computes with (a DTensor's local shard: its own data_ptr() is 0, the shard is what
+    changes when the weight does)."""
+    return ([_local(t) for t in proj.parameters()]
+            + [_local(t) for n, t in proj.named_buffers() if not n.endswith(_DENSE)])
+
+
+def _source_key(proj: nn.Module, dtype: torch.dtype, tensors: list[torch.Tensor]) -> tuple:
+    """Address and version of everything the module computes with: any change (``load_state_dict``, ``.to()``,
     an optimizer step, a copy of the module, a PEFT adapter switched, disabled, merged) re-derives the dense copy."""
-    # (a DTensor's own data_ptr() is 0: its local shard is what changes when the weight does)
-    tensors = [_local(t) for n, t in proj.named_parameters()]
-    tensors += [_local(t) for n, t in proj.named_buffers() if not n.endswith(_DENSE)]
     return (
         dtype,
-        tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in tensors),
+        tuple((t.data_ptr(), t._version) for t in tensors),
         tuple(m.training for m in proj.modules()),
         tuple(_peft_state(m) for m in proj.modules() if _is_peft_lora(m)),
     )
@@ -189,35 +252,28 @@ def _source_key(proj: nn.Module, dtype: torch.dtype) -> tuple:
 
 @torch.no_grad()
 def _dense_copy(proj: nn.Module, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    key = _source_key(proj, dtype)
+    tensors = _sources(proj)
+    key = _source_key(proj, dtype, tensors)
+    held = _derived.get(proj)
     cached = getattr(proj, _DENSE, None)
-    if cached is not None and getattr(proj, "_flashinfer_mla_dense_key", None) == key:
-        return _unpack(cached, proj)
-    if getattr(proj, "_flashinfer_mla_refused_key", None) == key:
-        return None  # found not linear in this very state: not probed again until the state changes
-    if not _state_is_visible(proj):
-        logger.warning_once(
-            f"flashinfer_mla: kv_b_proj is a {type(proj).__name__}, whose output may depend on state this package "
-            "cannot watch for changes, so its weights are not absorbed (a derived copy could go stale); decode expands "
-            "the latent through the module itself, as sdpa does."
-        )
-        return None
+    if held is not None and held[0] == key:
+        # (found not linear in this very state: not probed again until the state changes)
+        return None if held[1] is None else _unpack(cached, held[1])
     derived = _derive(proj, rank, dtype)
     if derived is None:
-        proj._flashinfer_mla_refused_key = key
+        _derived[proj] = (key, None, [t.detach() for t in tensors])  # (aliases: they keep the storage, not the name)
         return None
     weight, bias = derived
     weight = _local(weight).to(dtype)
     bias = None if bias is None else _local(bias).to(dtype)
     packed = weight if bias is None else torch.cat([weight, bias[:, None]], dim=1)
     proj.register_buffer(_DENSE, packed.contiguous(), persistent=False)
-    proj._flashinfer_mla_dense_has_bias = bias is not None
-    proj._flashinfer_mla_dense_key = _source_key(proj, dtype)  # the buffer itself is excluded from the key
+    _derived[proj] = (key, bias is not None, [t.detach() for t in tensors])  # (the buffer is not in the key)
     logger.info_once(  # Transformers' logging adds info_once to every logger; one line per format and size
         f"flashinfer_mla: absorbed decode keeps a dense {dtype} copy of each {type(proj).__name__} kv_b_proj "
         f"({packed.numel() * packed.element_size() / 2**20:.1f} MiB per layer that decodes)."
     )
-    return _unpack(packed, proj)
+    return _unpack(getattr(proj, _DENSE), bias is not None)
 
 
 def _derive(proj: nn.Module, rank: int, dtype: torch.dtype):
@@ -251,10 +307,8 @@ def _peft_lora_dense(proj: nn.Module, rank: int, dtype: torch.dtype):
     return weight, bias
 
 
-def _unpack(packed: torch.Tensor, proj: nn.Module):
-    if proj._flashinfer_mla_dense_has_bias:
-        return packed[:, :-1], packed[:, -1]
-    return packed, None
+def _unpack(packed: torch.Tensor, has_bias: bool):
+    return (packed[:, :-1], packed[:, -1]) if has_bias else (packed, None)
 
 
 def _from_identity_basis(proj: nn.Module, rank: int, dtype: torch.dtype):
@@ -263,8 +317,9 @@ def _from_identity_basis(proj: nn.Module, rank: int, dtype: torch.dtype):
     # A private generator: the probe must not advance the user's random state (sampling would then differ).
     random = torch.randn(2, rank, generator=torch.Generator().manual_seed(0))
     probe = torch.cat([torch.eye(rank), torch.zeros(1, rank), random]).to(device, dtype)
-    out = proj(probe)
-    again = proj(probe)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # (dropout draws from it)
+        out = proj(probe)
+        again = proj(probe)
     weight_t, bias = out[:rank] - out[rank], out[rank]
     x = probe[rank + 1:]
     expected = x @ weight_t + bias

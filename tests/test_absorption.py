@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from conftest import assert_batch_matches_eager_alone, decode_logits, left_padded_batch, make_model, rel_err
 from torch import nn
 from transformers import DynamicCache
@@ -184,6 +185,12 @@ class CurvedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + 0.05 * (x[..., :1] ** 2)
 
 
+@pytest.fixture
+def known_test_linears(monkeypatch):
+    """The test's own linear classes declared as depending on their tensors alone, as a user declares theirs."""
+    monkeypatch.setattr(absorption, "KNOWN_LINEARS", absorption.KNOWN_LINEARS | {"GainLinear", "CurvedLinear"})
+
+
 QUANTIZED = {
     "fp8-block": lambda lin: to_fp8_linear(lin, [16, 16]),
     "fp8-tensor": lambda lin: to_fp8_linear(lin, None),
@@ -205,7 +212,7 @@ def fp8_kernel(monkeypatch):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("kind", list(QUANTIZED))
-def test_quantized_kv_b_proj_matches_eager(kind, cache, fp8_kernel, monkeypatch):
+def test_quantized_kv_b_proj_matches_eager(kind, cache, fp8_kernel, known_test_linears, monkeypatch):
     model = _quantized_model(kind, attention_bias=kind == "custom-linear")
     ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
     calls = _count_reference_calls(monkeypatch)
@@ -243,7 +250,7 @@ def test_dense_copy_lifecycle(fp8_kernel, caplog):
     assert _extra_tensors(model) == []
 
 
-def test_non_linear_kv_b_proj_is_expanded_with_one_warning(monkeypatch, caplog):
+def test_non_linear_kv_b_proj_is_expanded_with_one_warning(known_test_linears, monkeypatch, caplog):
     model = make_model("deepseek_v2", dtype=torch.float64)
     for m in _attention_modules(model):
         curved = CurvedLinear(m.kv_b_proj.in_features, m.kv_b_proj.out_features, bias=False, dtype=torch.float64)
@@ -334,3 +341,91 @@ def test_output_attentions_warns_in_its_own_name(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert any("`flashinfer_mla` attention does not return attention weights" in m for m in messages)
     assert not any("`sdpa`" in m for m in messages)
+
+
+class ScaledLinear(nn.Linear):
+    """A user's linear whose output depends on a plain attribute, which no key over its tensors can see."""
+
+    scale = 1.0
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def _hooked_output(proj):
+    proj.register_forward_hook(lambda mod, args, out: out * 1.5)
+
+
+def _hooked_input(proj):
+    proj.register_forward_pre_hook(lambda mod, args: (args[0] * 2.0,))
+
+
+def _pruned(proj):
+    torch.nn.utils.prune.l1_unstructured(proj, "weight", amount=0.3)
+
+
+def _weight_normed(proj):
+    torch.nn.utils.parametrizations.weight_norm(proj)
+    with torch.no_grad():
+        proj.parametrizations.weight.original0.mul_(1.5)
+
+
+def _own_state(proj):
+    proj.__class__ = ScaledLinear  # (the same tensors; an attribute decides the output from here on)
+    proj.scale = 2.0
+
+
+# What is done to each kv_b_proj after a first, absorbed generate(), and the warning it brings (None: none, the
+# decode stays absorbed).
+AFTER_ABSORBING = {
+    "forward-hook": (_hooked_output, "kv_b_proj has forward hooks"),
+    "forward-pre-hook": (_hooked_input, "kv_b_proj has forward hooks"),
+    "pruned": (_pruned, "torch.nn.utils.prune.L1Unstructured"),
+    "weight-norm": (_weight_normed, None),
+    "own-state": (_own_state, "add its class name to hf_flashinfer_mla.absorption.KNOWN_LINEARS"),
+}
+
+
+@pytest.mark.parametrize("change", list(AFTER_ABSORBING))
+def test_decode_follows_what_the_module_computes_after_it_changes(change, monkeypatch, caplog):
+    """After a first absorbed generate(), each kv_b_proj gets a hook, a pruning mask, a parametrization or state of
+    its own: the next generate() gives eager's tokens and logits (eager runs the module itself). Where no absorbed
+    weight can follow the module, decode runs through it, with one warning saying why."""
+    modify, warning = AFTER_ABSORBING[change]
+    model = make_model("deepseek_v3", dtype=torch.float64)
+    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
+    calls = _count_reference_calls(monkeypatch)
+
+    def run():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+
+    run()
+    assert calls  # absorbed
+    for m in _attention_modules(model):
+        modify(m.kv_b_proj)
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+        out = run()
+    assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
+    warned = [r.getMessage() for r in caplog.records if r.name == "hf_flashinfer_mla" and "kv_b_proj" in r.getMessage()]
+    if warning is None:
+        assert calls and not warned
+    else:
+        assert not calls and len(warned) == 1 and warning in warned[0]
+
+
+def test_weights_offloaded_by_accelerate_decode_through_the_module(caplog):
+    """accelerate's CPU offload leaves the weights on the meta device and loads them inside each module's forward:
+    decode runs through kv_b_proj (one warning) and gives eager's logits, where reading the weight would fail."""
+    from accelerate import cpu_offload
+
+    model = make_model("deepseek_v3", dtype=torch.float64)
+    ids = torch.randint(1, 90, (2, 7), generator=torch.Generator().manual_seed(3))
+    forced = torch.randint(1, 90, (2, 4), generator=torch.Generator().manual_seed(4))
+    expected = decode_logits(model, ids, torch.ones_like(ids), forced=forced)
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    assert _attention_modules(model)[0].kv_b_proj.weight.is_meta
+    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+        assert rel_err(decode_logits(model, ids, torch.ones_like(ids), forced=forced), expected) < 1e-12
+    assert sum("offloaded" in r.getMessage() for r in caplog.records) == 1

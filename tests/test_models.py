@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
-    VOCAB, assert_batch_matches_eager_alone, decode_logits, eager_alone, left_padded_batch, make_model, mla_layers,
-    rel_err,
+    VOCAB, assert_batch_matches_eager_alone, decode_logits, eager_alone, kv_b_proj_rows, left_padded_batch,
+    make_model, mla_layers, rel_err,
 )
 from transformers import DynamicCache, StaticCache
 
@@ -25,31 +25,19 @@ NEW_TOKENS = 6
 TOL = 1e-6
 
 
-def count_kv_b_proj_rows(model) -> tuple[list[int], list]:
-    """Rows pushed through each MLA layer's kv_b_proj (the expansion of cached latents), and the hooks to remove."""
-    rows = []
-    hooks = [m.kv_b_proj.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[:-1].numel()))
-             for m in mla_layers(model)]
-    return rows, hooks
-
-
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
 def test_batched_generate_matches_eager_alone(model_type, cache_implementation):
     model = make_model(model_type)
     ids, mask, prompts = left_padded_batch()
     # Rows pushed through kv_b_proj: the prefill expands the latent once, the decode steps must not (absorbed path),
     # so this also shows that the comparison below exercises the absorbed decode and not only the expanded prefill.
-    rows, hooks = count_kv_b_proj_rows(model)
-    try:
+    with kv_b_proj_rows(model) as rows:
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
             return_dict_in_generate=True, cache_implementation=cache_implementation,
         )
-    finally:
-        for h in hooks:
-            h.remove()
     if cache_implementation == "dynamic":
-        assert sum(rows) == ids.numel() * len(hooks)
+        assert sum(rows) == ids.numel() * len(mla_layers(model))
     assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, TOL)
 
 
@@ -84,33 +72,29 @@ def test_multi_token_decode_is_absorbed_and_matches_eager(model_type, monkeypatc
         return original(q_lat, *args, **kwargs)
 
     monkeypatch.setattr(reference, "mla_attention_reference", spy)
-    rows, hooks = count_kv_b_proj_rows(model)
-    try:
+    with kv_b_proj_rows(model) as rows:
         ours = decode_logits(model, ids, mask, forced=forced, chunks=chunks)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert sum(rows) == ids.numel() * len(hooks)  # the prefill's expansion (so the hook counts), and nothing after it
-    assert queries == [n for n in chunks for _ in hooks]  # every chunk reached the latent attention of every layer
+    layers = mla_layers(model)
+    assert sum(rows) == ids.numel() * len(layers)  # the prefill's expansion (so the count works), nothing after it
+    assert queries == [n for n in chunks for _ in layers]  # every chunk reached the latent attention of every layer
     for i, ref in enumerate(eager_alone(model, prompts, forced, chunks=chunks)):
         assert rel_err(ours[i], ref) < TOL
 
 
 def test_decode_never_expands_cached_rows(model_type):
     model = make_model(model_type)
-    rows, hooks = count_kv_b_proj_rows(model)
     ids, mask, _ = left_padded_batch()
     cache = DynamicCache(config=model.config)
-    decode_logits(model, ids, mask, cache, steps=3)
-    assert sum(rows) == ids.numel() * len(hooks)  # the prefill expands once; the 3 decode steps do not
-    rows.clear()
-    # The same hook does see the history re-expanded under eager: the count above is not vacuous.
-    model.set_attn_implementation("eager")
-    mask = torch.ones(ids.shape[0], ids.shape[1] + 4, dtype=torch.long)
-    model(input_ids=ids[:, -1:], attention_mask=mask, cache=cache, use_cache=True)
-    assert sum(rows) == ids.shape[0] * (ids.shape[1] + 4) * len(hooks)
-    for h in hooks:
-        h.remove()
+    layers = len(mla_layers(model))
+    with kv_b_proj_rows(model) as rows:
+        decode_logits(model, ids, mask, cache, steps=3)
+        assert sum(rows) == ids.numel() * layers  # the prefill expands once; the 3 decode steps do not
+        rows.clear()
+        # The same count does see the history re-expanded under eager: the count above is not vacuous.
+        model.set_attn_implementation("eager")
+        mask = torch.ones(ids.shape[0], ids.shape[1] + 4, dtype=torch.long)
+        model(input_ids=ids[:, -1:], attention_mask=mask, cache=cache, use_cache=True)
+        assert sum(rows) == ids.shape[0] * (ids.shape[1] + 4) * layers
 
 
 def test_step_plan_built_once_per_forward_step(monkeypatch):

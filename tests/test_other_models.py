@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import FAMILIES, HYBRIDS, decode_logits, make_model, mla_layers, rel_err
+from conftest import FAMILIES, HYBRIDS, decode_logits, kv_b_proj_rows, make_model, mla_layers, rel_err
 from transformers import AttentionInterface
 
 import hf_flashinfer_mla
@@ -69,15 +69,11 @@ def test_multimodal_text_model_runs_flashinfer_mla_and_matches_eager():
     ids = torch.randint(1, 80, (2, 10), generator=torch.Generator().manual_seed(1))  # > 8 tokens: an expanded prefill
     mask = torch.ones_like(ids)
     forced = torch.randint(1, 80, (2, 5), generator=torch.Generator().manual_seed(2))
-    rows = []
-    hooks = [m.kv_b_proj.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[:-1].numel()))
-             for m in mla_layers(model)]
-    ours = decode_logits(model, ids, mask, forced=forced)
-    assert len(hooks) == 2 and sum(rows) == ids.numel() * len(hooks)  # decode steps absorbed: prefill rows only
+    with kv_b_proj_rows(model) as rows:
+        ours = decode_logits(model, ids, mask, forced=forced)
+    assert len(mla_layers(model)) == 2 and sum(rows) == ids.numel() * 2  # decode steps absorbed: prefill rows only
     out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     assert all(isinstance(layer, hf_flashinfer_mla.MLALatentLayer) for layer in out.cache.layers)
-    for h in hooks:
-        h.remove()
     model.set_attn_implementation({"text_config": "eager"})
     assert implementations(model) == ("sdpa", "eager", "sdpa")
     assert rel_err(ours, decode_logits(model, ids, mask, forced=forced)) < TOL

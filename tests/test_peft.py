@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from conftest import VOCAB, decode_logits, left_padded_batch, make_model, mla_layers, rel_err
+from conftest import VOCAB, decode_logits, kv_b_proj_rows, left_padded_batch, make_model, mla_layers, rel_err
 from transformers import DynamicCache
 
 peft = pytest.importorskip("peft")
@@ -64,19 +64,6 @@ def with_eager(pm, fn):
         pm.set_attn_implementation("flashinfer_mla")
 
 
-def count_cached_rows(pm) -> tuple[list[int], list]:
-    """Rows of cached latent pushed through each MLA layer's kv_b_proj (the LoRA wrapper), and the hooks to remove.
-    Only sequence-shaped inputs ([B, 1, S, rank]) count: a derivation of the wrapper's matrix is not a decode."""
-    rows = []
-
-    def hook(mod, args, out):
-        if args[0].dim() >= 3:
-            rows.append(args[0].shape[:-1].numel())
-
-    hooks = [m.kv_b_proj.register_forward_hook(hook) for m in mla_layers(pm)]
-    return rows, hooks
-
-
 def inputs(lengths=(9, 9, 9)):
     ids, mask, _ = left_padded_batch(lengths=lengths)
     forced = torch.randint(1, VOCAB, (len(lengths), STEPS), generator=torch.Generator().manual_seed(5))
@@ -87,14 +74,9 @@ def decode_vs_eager(pm, ids, mask, forced) -> tuple[float, float, torch.Tensor]:
     """Teacher-forced decode (prefill + `STEPS` 1-token steps) with flashinfer_mla and with eager, in the model's
     current adapter state: ``(relative error, max abs difference, flashinfer_mla's logits)``. Also checks that the
     flashinfer_mla decode steps were absorbed (no cached row through kv_b_proj after the prefill)."""
-    rows, hooks = count_cached_rows(pm)
-    try:
-        with torch.no_grad():
-            ours = decode_logits(pm, ids, mask, forced=forced)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert sum(rows) == ids.numel() * len(hooks), "decode steps expanded the cache instead of taking the absorbed path"
+    with torch.no_grad(), kv_b_proj_rows(pm) as rows:
+        ours = decode_logits(pm, ids, mask, forced=forced)
+    assert sum(rows) == ids.numel() * len(mla_layers(pm)), "decode steps expanded the cache instead of being absorbed"
     with torch.no_grad():
         ref = with_eager(pm, lambda: decode_logits(pm, ids, mask, forced=forced))
     return rel_err(ours, ref), (ours - ref).abs().max().item(), ours
@@ -251,3 +233,84 @@ def test_training_through_lora_gives_eager_gradients(model_type):
     rel, diff, after = decode_vs_eager(pm, ids, mask, forced)
     assert rel < TOL64, f"after an optimizer step: max |diff| {diff:.3g} to eager"
     assert rel_err(after, before) > 1e-3  # the step really changed the adapter
+
+
+@torch.no_grad()
+def test_reassigned_weight_data_is_never_mistaken_for_the_weight_it_replaced():
+    """``weight.data = new`` bumps no version counter, and the allocator may hand the freed memory of the old tensor
+    to the next new one: a derived matrix keyed on address and version would then be taken for current. A test
+    cannot make the allocator do that on demand, so it checks what rules it out: while a matrix is kept, the memory
+    it was derived from stays allocated (on the code before the fix it is freed at once), and the decode after the
+    reassignment is eager's."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    pm = peft_model("deepseek_v3")
+    ids, mask, forced = inputs()
+    decode_vs_eager(pm, ids, mask, forced)  # derives each layer's matrix
+    g = torch.Generator().manual_seed(7)
+    replaced = []
+    for m in mla_layers(pm):
+        w = m.kv_b_proj.base_layer.weight
+        replaced.append(StorageWeakRef(w.untyped_storage()))
+        w.data = torch.randn(w.shape, dtype=w.dtype, generator=g) * 0.05
+    assert not any(ref.expired() for ref in replaced)
+    assert decode_vs_eager(pm, ids, mask, forced)[0] < TOL64
+    assert all(ref.expired() for ref in replaced)  # re-derived: the old memory is let go
+
+
+def test_a_model_made_under_inference_mode_decodes_through_the_adapter_with_one_warning(caplog):
+    """Inference tensors keep no version counter, so an in-place edit of the adapter's weights leaves no trace a
+    derived matrix could be checked against: such a kv_b_proj decodes through the module (one warning naming the
+    fix), and follows every edit."""
+    import logging
+
+    with torch.inference_mode():
+        pm = peft_model("deepseek_v3")
+        ids, mask, forced = inputs()
+        with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+            for edit in range(3):
+                ours = decode_logits(pm, ids, mask, forced=forced)
+                assert rel_err(ours, with_eager(pm, lambda: decode_logits(pm, ids, mask, forced=forced))) < TOL64
+                for m in mla_layers(pm):
+                    m.kv_b_proj.base_layer.weight.mul_(1.5)
+                    m.kv_b_proj.lora_B[FIRST].weight.mul_(2.0)
+    warned = [r.getMessage() for r in caplog.records if "inference tensors" in r.getMessage()]
+    assert len(warned) == 1 and "torch.no_grad()" in warned[0]
+
+
+def test_a_batch_of_several_adapters_decodes_like_eager():
+    """``generate(adapter_names=[...])`` serves each row with its own adapter (or the base model), through forward
+    hooks PEFT puts on the LoRA layers for the call: those rows decode through the module, with one warning."""
+    pm = peft_model("deepseek_v3", dtype=torch.float32)
+    ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
+    names = [FIRST, "__base__", SECOND]
+
+    def run():
+        return pm.generate(input_ids=ids, attention_mask=mask, adapter_names=names, max_new_tokens=5,
+                           do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+    ours, ref = run(), with_eager(pm, run)
+    assert torch.equal(ours.sequences, ref.sequences)
+    assert rel_err(torch.stack(ours.logits), torch.stack(ref.logits)) < TOL32
+    # back to one adapter for the whole batch: absorbed again
+    assert decode_vs_eager(pm, *inputs())[0] < TOL64
+
+
+def test_train_mode_dropout_draws_what_eager_draws():
+    """A LoRA with dropout in train mode is not linear, and the package probes that on the identity basis: the probe
+    runs on a forked random state, so a seeded generate() draws the same dropout masks as eager's."""
+    model = make_model("deepseek_v3", dtype=torch.float64)
+    torch.manual_seed(100)
+    config = LoraConfig(target_modules=["kv_b_proj"], r=4, lora_alpha=8, lora_dropout=0.3, init_lora_weights=False)
+    pm = get_peft_model(model, config).train()
+    ids = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return pm.generate(input_ids=ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+
+    ours, ref = run(), with_eager(pm, run)
+    assert torch.equal(ours.sequences, ref.sequences)
+    assert rel_err(torch.stack(ours.logits), torch.stack(ref.logits)) < TOL64
