@@ -152,15 +152,26 @@ def _attention_with_sinks(module, query, key_states, value_states, attention_mas
     return eager(module, query, key_states, value_states, attention_mask, scaling=scaling, dropout=dropout)
 
 
+_FITTED = "_flashinfer_mla_fitted"  # a broadcast mask's expansion, kept on the mask: one view (and plan) per step
+
+
 def _fit_mask(mask: torch.Tensor, query: torch.Tensor, kv_latent: torch.Tensor) -> torch.Tensor:
     """A decode step's mask at its query's batch size and length: a user's 4D mask may broadcast over them, as eager
-    and sdpa let it. One whose width is not the cache's is refused, as they refuse it (a kernel would read rows past
-    the cache)."""
+    and sdpa let it. The expanded view is made once per step, so the step's layers share it and its plan. A mask
+    whose width is not the cache's is refused, as they refuse it (a kernel would read rows past the cache)."""
     if mask.shape[-1] != kv_latent.shape[2]:
         raise ValueError(f"the attention mask covers {mask.shape[-1]} positions but the cache holds "
                          f"{kv_latent.shape[2]}: a 4D mask's last dimension must be the cache's length")
     shape = (query.shape[0], mask.shape[1], query.shape[2], mask.shape[3])
-    return mask if mask.shape == shape else mask.expand(shape)
+    if mask.shape == shape:
+        return mask
+    if torch.compiler.is_compiling():
+        return mask.expand(shape)
+    fitted = getattr(mask, _FITTED, None)
+    if fitted is None or fitted.shape != shape:
+        fitted = mask.expand(shape)
+        setattr(mask, _FITTED, fitted)
+    return fitted
 
 
 def _check_pitch(kv_latent: torch.Tensor, k_rot: torch.Tensor) -> None:

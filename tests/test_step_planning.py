@@ -1033,7 +1033,8 @@ def _per_head(mask: torch.Tensor) -> torch.Tensor:
 def test_4d_masks_per_head_or_broadcast_over_the_batch_get_eagers_logits(request, caplog, form, kernel):
     """A user's 4D mask may hold a row per head (``[B, H, q, S]``) or one row for the whole batch (``[1, 1, q, S]``),
     as eager and sdpa broadcast them. A kernel plans one set of rows per sequence, so fa3 refuses a mask per head
-    (one warning; the reference applies each head's) and runs a batch-wide mask expanded to the batch."""
+    (one warning; the reference applies each head's) and runs a batch-wide mask expanded to the batch, once per step
+    (each step gets one plan, not one per layer)."""
     fake = request.getfixturevalue("fake_hopper") if kernel else None
     model = make_model("deepseek_v3", dtype=F64)
     eager = make_model("deepseek_v3", attn="eager", dtype=F64)
@@ -1048,8 +1049,12 @@ def test_4d_masks_per_head_or_broadcast_over_the_batch_get_eagers_logits(request
                              forward=with_4d_masks(m, "plain", reshape))
 
     expected = run(eager)
+    plans, attach = [], plan.attach_plan  # (counted, not recorded: holding a mask would keep it alive)
+    request.getfixturevalue("monkeypatch").setattr(plan, "attach_plan", lambda *a, **k: plans.append(1) or attach(
+        *a, **k))
     with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
         assert (run(model) - expected).abs().max() < 1e-6
+    assert len(plans) == 3  # the three decode steps
     if kernel and form == "per_head":
         assert any("the step's mask has a row per head" in w for w in package_warnings(caplog))
         assert fake.modules.get("fa3") is None or fake.modules["fa3"].runs == 0
