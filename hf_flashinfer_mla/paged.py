@@ -28,7 +28,6 @@ here are planned on the host from each step's lengths.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -121,31 +120,28 @@ class LatentAllocator(FullAttentionCacheAllocator):
         raise NotImplementedError("the paged latent cache has no per-head K/V pages for flash_attn_with_kvcache")
 
 
+class FullOrLatentAllocator(FullAttentionCacheAllocator):
+    """The full-attention allocator Transformers' paged cache builds (``registration.py`` puts this class in its
+    module-level table, once): a `LatentAllocator` for a cache sized by `LatentSizing` (a dense MLA model on this
+    package), Transformers' own for any other. One class, never swapped in and out, so caches built at the same
+    time in two threads each get theirs; its class attributes are the parent's, as Transformers reads them."""
+
+    def __new__(cls, **kwargs):
+        latent = isinstance(kwargs.get("config"), LatentSizing)
+        return (LatentAllocator if latent else FullAttentionCacheAllocator)(**kwargs)
+
+
 def allocator_of(latent: torch.Tensor) -> LatentAllocator | None:
     """The `LatentAllocator` whose rows `latent` views (continuous batching), None for any other cache's tensor."""
     ref = None if latent._base is None else getattr(latent._base, _ALLOCATOR_ATTR, None)
     return None if ref is None else ref()
 
 
-_swap_lock = threading.Lock()
-
-
 def build_paged_cache(original, cache, config, *args, **kwargs) -> None:
     """``PagedAttentionCache.__init__`` for a dense MLA model on this package: Transformers' own construction and
-    memory sizing, shown the `LatentSizing` view, with `LatentAllocator` for its full-attention layers."""
-    full = cb_cache.ATTN_TYPE_TO_ALLOCATOR[FULL_ATTENTION]
-
-    def allocator(**allocator_kwargs):  # only this cache gets latent rows, even if another is built meanwhile
-        latent = isinstance(allocator_kwargs.get("config"), LatentSizing)
-        return (LatentAllocator if latent else full)(**allocator_kwargs)
-
+    memory sizing, shown the `LatentSizing` view, for which its full-attention allocator is a `LatentAllocator`."""
     sizing = LatentSizing(config)
-    with _swap_lock:
-        cb_cache.ATTN_TYPE_TO_ALLOCATOR[FULL_ATTENTION] = allocator
-        try:
-            original(cache, sizing, *args, **kwargs)
-        finally:
-            cb_cache.ATTN_TYPE_TO_ALLOCATOR[FULL_ATTENTION] = full
+    original(cache, sizing, *args, **kwargs)
     per_head = 2 * cb_cache.find_num_key_value_heads(config) * cb_cache.find_head_dim(config)
     logger.info(
         f"flashinfer_mla: paged latent cache of {cache.num_blocks} blocks of {cache.cache_allocators[FULL_ATTENTION]}"
@@ -222,7 +218,9 @@ class PagedStep:
         self.kv_offsets = torch.zeros(self.batch + 1, dtype=torch.long)
         self.kv_offsets[1:] = self.k_lens.cumsum(0)
         self.decode = (self.q_lens == 1).nonzero().flatten()  # requests that run absorbed
-        self.chunks = (self.q_lens != 1).nonzero().flatten().tolist()  # the others: prefill chunks
+        # the others with query tokens: prefill chunks (a request may have none: Transformers prefills a prompt to be
+        # forked, sampled several times, without its last token, which for a 1-token prompt leaves nothing)
+        self.chunks = (self.q_lens > 1).nonzero().flatten().tolist()
 
     @property
     def batch(self) -> int:
@@ -311,7 +309,8 @@ def _prefill(allocator: LatentAllocator, step: PagedStep, decoded, module, query
     causally, on FlashInfer's ragged prefill (``kernels/ragged.py``: one launch per group of requests) where the
     step's decode backend is fa3 and it serves the head dims, else with Transformers' SDPA one request at a time
     (so the transient keys and values are one request's)."""
-    pending = step.chunks if len(decoded) else list(range(step.batch))  # (no decode: a layer that cannot absorb)
+    # (no decode: a layer that cannot absorb runs every request with query tokens here)
+    pending = step.chunks if len(decoded) else (step.q_lens > 0).nonzero().flatten().tolist()
     if not pending:
         return
     lat_rows, rot_rows = kv_latent[0, 0], k_rot[0, 0]

@@ -24,9 +24,10 @@ runs this one), and Transformers' mask preprocessing carries it over to the bool
 before calling the mask function. Finally, generate()'s compiled step raises for a step that a CUDA-graph slot of
 its shape cannot serve (a replay cannot switch backends).
 
-Continuous batching (``generate_batch``, the manager, ``transformers serve``) gets three wrappers, in one block at the
-end: the manager refuses what it cannot serve in the caller's thread and turns CUDA graphs off, the paged cache holds
-the latent (``paged.py``), and each prepared batch hands its host-side lengths to the attention.
+Continuous batching (``generate_batch``, the manager, ``transformers serve``) gets four wrappers and one table entry,
+in one block at the end: the manager refuses what it cannot serve in the caller's thread (when built, and when a
+persistent one is handed out again) and turns CUDA graphs off, the paged cache holds the latent (``paged.py``), and
+each prepared batch hands its host-side lengths to the attention.
 """
 
 from __future__ import annotations
@@ -241,7 +242,8 @@ def _slots_checked_before_compiled_steps(original):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Continuous batching (generate_batch, init_continuous_batching, transformers serve) over the paged latent cache:
-# the logic lives in paged.py; these three wrappers are the seams where Transformers 5.24 offers no hook.
+# the logic lives in paged.py; these four wrappers and the allocator table's entry are the seams where Transformers
+# 5.24 offers no hook.
 # ----------------------------------------------------------------------------------------------------------------
 def _manager_checked(original):
     # The manager is built in the caller's thread, before the background loop: the one place where a model continuous
@@ -258,10 +260,24 @@ def _manager_checked(original):
     return __init__
 
 
+def _cached_manager_checked(original):
+    # A manager kept with persistent_manager=True is handed out again without being built, so its check never runs
+    # again: a model switched to another attention since (eager, sdpa) would read the cached latent rows as per-head
+    # keys and values and return wrong tokens. The check runs here too.
+    @functools.wraps(original)
+    def init_continuous_batching(self, *args, **kwargs):
+        if getattr(self, "_cached_continuous_batching_manager", None) is not None:
+            paged.refuse_unservable(self)
+        return original(self, *args, **kwargs)
+
+    return init_continuous_batching
+
+
 def _latent_paged_cache(original):
     # PagedAttentionCache picks its allocator from a module-level table and sizes tokens from the config's head_dim
     # and key-value heads: per-head K/V rows, which the MLA latent does not fit. For flashinfer_mla models it is built
-    # by Transformers' own code, with latent rows (paged.LatentAllocator) and a config view that sizes them.
+    # by Transformers' own code with a config view that sizes latent rows, for which the table's full-attention
+    # allocator (paged.FullOrLatentAllocator, put there once) builds latent rows.
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
         if not paged.uses_latent(config):
@@ -287,7 +303,9 @@ def _register_continuous_batching() -> None:
     from transformers.generation.continuous_batching import cache as cb_cache, continuous_api, input_outputs
 
     _patch(continuous_api.ContinuousBatchingManager, "__init__", _manager_checked)
+    _patch(continuous_api.ContinuousMixin, "init_continuous_batching", _cached_manager_checked)
     _patch(cb_cache.PagedAttentionCache, "__init__", _latent_paged_cache)
+    cb_cache.ATTN_TYPE_TO_ALLOCATOR[paged.FULL_ATTENTION] = paged.FullOrLatentAllocator
     _patch(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", _paged_steps)
 
 

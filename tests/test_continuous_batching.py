@@ -225,3 +225,60 @@ def test_generate_batch_frees_its_cache():
                          continuous_batching_config=small_cb())
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, (paged.LatentAllocator, PagedAttentionCache))]
+
+
+def test_forked_requests_of_a_one_token_prompt_get_every_sequence():
+    """With several sequences per prompt (``num_return_sequences``), Transformers prefills a prompt without its last
+    token before forking it: a 1-token prompt is scheduled with no query token at all. Every fork of every prompt
+    comes back, and with ``top_k=1`` each equals the greedy tokens."""
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    batch = [[5], [7, 8, 9, 10, 11]]
+    config = GenerationConfig(max_new_tokens=4, do_sample=True, top_k=1, eos_token_id=-1, pad_token_id=0,
+                              num_return_sequences=3)
+    out = model.generate_batch(batch, generation_config=config, continuous_batching_config=small_cb())
+    expected = eager_tokens(model, batch, 4)
+    assert len(out) == 6 and not [o.error for o in out.values() if o.error]
+    assert all(o.generated_tokens == expected[batch.index(o.prompt_ids)] for o in out.values())
+
+
+@pytest.mark.parametrize("other", ["eager", "sdpa"])
+def test_a_persistent_manager_refuses_a_model_switched_to_another_attention(other):
+    """A manager kept with ``persistent_manager=True`` is handed out again without being built; its cache holds latent
+    rows, which eager or sdpa would read as per-head keys and values. After the switch the next call raises, as a
+    new manager does, instead of returning other tokens."""
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    batch = prompts((7, 9))
+    model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb(),
+                         persistent_manager=True)
+    model.set_attn_implementation(other)
+    with pytest.raises(UnsupportedModelError, match='attn_implementation="flashinfer_mla"'):
+        model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb(),
+                             persistent_manager=True)
+    model.set_attn_implementation("flashinfer_mla")  # and back: the kept manager serves again
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+
+
+def test_the_allocator_table_is_never_swapped_while_an_mla_cache_is_built(monkeypatch):
+    """Transformers reads its module-level allocator table from any thread (a manager being built for another model
+    reads ``supports_block_table`` off it). While an MLA model's paged cache is being built, the table's entry stays
+    the one class with the parent's attributes (a swapped-in function there crashed the other thread); the MLA cache
+    gets latent rows and another model's cache Transformers' own."""
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    seen = []
+    original = paged.LatentAllocator.__init__
+
+    def init(self, *args, **kwargs):  # runs in the middle of the MLA cache's construction
+        seen.append(getattr(cb_cache.ATTN_TYPE_TO_ALLOCATOR["full_attention"], "supports_block_table", "missing"))
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(paged.LatentAllocator, "__init__", init)
+    mla = make_config("deepseek_v3")
+    mla._attn_implementation = "flashinfer_mla"
+    assert type(_paged_cache(mla).cache_allocators["full_attention"]) is paged.LatentAllocator
+    assert seen and "missing" not in seen
+    llama = CONFIG_MAPPING["llama"](hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                    num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB)
+    llama._attn_implementation = "sdpa"
+    assert type(_paged_cache(llama).cache_allocators["full_attention"]).__name__ == "FullAttentionCacheAllocator"
