@@ -29,6 +29,7 @@ other reader (prefill, the reference backend, other GPUs) dequantizes what it re
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -95,9 +96,13 @@ class MLALatentLayer(DynamicLayer):
         super().__init__()
         if dtype not in (None, FP8):
             raise ValueError(f"MLALatentLayer stores the model's own dtype (dtype=None) or {FP8}, not {dtype}")
+        if scales is not None and dtype != FP8:
+            raise ValueError("scales= sets the FP8 latent's scales: pass dtype=torch.float8_e4m3fn with it")
+        if scales is not None and not all(math.isfinite(v) and v > 0 for v in (scales.latent, scales.rope)):
+            raise ValueError(f"FP8 latent scales must be finite and positive, got {scales}")
         self.packed_request = packed
         self.storage_dtype = dtype
-        self.scales = scales
+        self.given_scales = self.scales = scales  # (measured ones are measured again after `reset`)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -106,8 +111,10 @@ class MLALatentLayer(DynamicLayer):
         self._rank = key_states.shape[-1]
         self.packed = self.packed_request if self.packed_request is not None else packed_layout_for(self.device)
         if self.storage_dtype == FP8 and self.scales is None:
-            # Fixed from the first update (the prefill): one host read per layer, outside the decode loop.
-            amax = torch.stack([key_states.abs().amax(), value_states.abs().amax()]).float().clamp_min(1e-6).tolist()
+            # Fixed from the first update (the prefill): one host read per layer, outside the decode loop. (A layer
+            # without rope, NoPE, has an empty rope part: its scale is never used.)
+            amax = torch.stack([t.abs().amax() if t.numel() else t.new_zeros(()) for t in (key_states, value_states)])
+            amax = amax.float().clamp_min(1e-6).tolist()
             self.scales = LatentScales(*(FP8_HEADROOM * a / FP8_MAX for a in amax))
         self.is_initialized = True
 
@@ -152,6 +159,11 @@ class MLALatentLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         needed = self._length + n
+        if self._buffers is not None and key_states.shape[0] != self._buffers[0].shape[0]:
+            raise CacheLayoutError(  # (a growth would broadcast the old rows into the new batch, silently)
+                f"the cache holds {self._buffers[0].shape[0]} sequences and this forward brings {key_states.shape[0]}"
+                ": reorder or repeat the cache first (batch_select_indices, batch_repeat_interleave), or start a "
+                "new one")
         if self._buffers is None or needed > self.capacity:
             self._grow(key_states.shape[0], needed, key_states, value_states)
         if self.storage_dtype == FP8:
@@ -212,6 +224,7 @@ class MLALatentLayer(DynamicLayer):
     def reset(self) -> None:
         self._buffers, self._length = None, 0
         self.keys = self.values = None
+        self.scales = self.given_scales  # measured scales belong to the prompt they were measured on
         self.is_initialized = False
 
 
@@ -311,6 +324,20 @@ def adopt_latent_layers(cache: DynamicCache, packed: bool | None = None, dtype: 
     return cache
 
 
+PER_LAYER = "per layer"
+
+
+def _global(config, name: str):
+    """`config`'s one value of `name`: None where it has none, `PER_LAYER` where its layers differ (dots3's
+    sliding-window layers have a latent width of their own)."""
+    from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
+
+    try:
+        return getattr(config, name, None)
+    except AmbiguousGlobalPerLayerAttributeError:
+        return PER_LAYER
+
+
 class MLALatentCache(DynamicCache):
     """`DynamicCache` whose full-attention layers are `MLALatentLayer`: pass as ``generate(..., cache=...)``.
 
@@ -350,15 +377,18 @@ class MLALatentCache(DynamicCache):
         config, name = self._config, getattr(self._config, "model_type", None)
         latent = key_states.dim() == 4 and key_states.shape[1] == 1
         if config is not None and latent:
-            dims = (getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None))
+            dims = (_global(config, "kv_lora_rank"), _global(config, "qk_rope_head_dim"))
             got = (key_states.shape[-1], value_states.shape[-1])
             problem = None
             if self.layer_class_to_replicate is None and layer_idx >= len(self.layers):
                 problem = f"it has {len(self.layers)} layers and the model's layer {layer_idx} writes to it"
-            elif dims != got:
+            elif (dims[0] not in (None, PER_LAYER) and dims[0] != got[0]
+                  or dims[1] not in (None, PER_LAYER) and got[1] not in (dims[1], 0)):  # (0: a NoPE layer)
                 problem = f"its config describes a latent of {dims[0]} + {dims[1]}, the model writes {got[0]} + {got[1]}"
-            elif not isinstance(self.layers[layer_idx], (MLALatentLayer, DynamicLayer)) or getattr(
-                    self.layers[layer_idx], "is_sliding", False):
+            elif dims[0] is None and (not isinstance(self.layers[layer_idx], (MLALatentLayer, DynamicLayer))
+                                      or getattr(self.layers[layer_idx], "is_sliding", False)):
+                # (an MLA config's own sliding-window layers hold its latent too; a config without a latent is
+                # another model's)
                 problem = f"its layer {layer_idx} is a {type(self.layers[layer_idx]).__name__}, not a full-attention layer"
             if problem:
                 raise CacheLayoutError(

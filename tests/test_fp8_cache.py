@@ -95,3 +95,55 @@ def test_bad_requests_are_refused():
         MLALatentLayer(dtype=torch.float16)
     with pytest.raises(ValueError, match="config"):
         MLALatentCache(dtype=FP8)
+    with pytest.raises(ValueError, match="pass dtype=torch.float8_e4m3fn"):  # scales without FP8 would be ignored
+        MLALatentLayer(scales=LatentScales(0.01, 0.01))
+    for bad in (0.0, -0.01, float("nan"), float("inf")):  # each gave wrong or NaN logits without a word
+        with pytest.raises(ValueError, match="finite and positive"):
+            MLALatentLayer(dtype=FP8, scales=LatentScales(0.01, bad))
+
+
+def test_reset_measures_the_next_prompts_scales_and_keeps_given_ones():
+    """Measured scales belong to the prompt they were measured on: after ``reset()`` a reused cache measures the next
+    prompt's (its rows saturated at +-448 otherwise), exactly as a fresh cache does. Scales the caller gave stay."""
+    small, large = torch.randn(1, 1, 1, 32) * 0.1, torch.randn(1, 1, 40, 32) * 3
+    reused, fresh = MLALatentLayer(dtype=FP8), MLALatentLayer(dtype=FP8)
+    reused.update(small, small[..., :8])
+    reused.reset()
+    reused.update(large, large[..., :8])
+    fresh.update(large, large[..., :8])
+    assert reused.scales == fresh.scales
+    given = LatentScales(0.05, 0.02)
+    layer = MLALatentLayer(dtype=FP8, scales=given)
+    layer.update(large, large[..., :8])
+    layer.reset()
+    layer.update(small, small[..., :8])
+    assert layer.scales == given
+
+
+@pytest.mark.parametrize("model_type", ["glm5_next", "mistral_large4", "dots3_note_text"])
+def test_the_cache_built_from_the_models_own_config_serves_layers_of_other_widths(model_type):
+    """``MLALatentCache(model.config)`` on models whose layers differ from the config's global widths (a NoPE layer
+    without rope, sliding-window layers of their own latent width): the same tokens as the default cache, in FP8 too
+    (measured scales: a NoPE layer's rope part is empty)."""
+    model = make_model(model_type, dtype=torch.float32)
+    ids, mask, _ = left_padded_batch(lengths=(7, 9))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    default = model.generate(**kwargs)
+    ours = model.generate(**kwargs, cache=MLALatentCache(model.config))
+    assert torch.equal(ours.sequences, default.sequences)
+    fp8 = model.generate(**kwargs, cache=MLALatentCache(model.config, dtype=FP8))
+    assert torch.isfinite(torch.stack(fp8.logits)).all()
+    assert rel_err(fp8.logits[0], default.logits[0]) < 0.1  # the first step (same tokens so far): FP8's rounding
+
+
+def test_a_batch_the_cache_does_not_hold_is_refused():
+    """A forward of another batch size than the cache holds fails at once, as DynamicCache fails, even where the
+    cache must grow (a growth broadcast the old rows into the new batch)."""
+    from hf_flashinfer_mla import CacheLayoutError
+
+    layer = MLALatentLayer()
+    layer.update(torch.randn(1, 1, 4, 32), torch.randn(1, 1, 4, 8))
+    for tokens in (3, 600):  # within the capacity, and past it
+        with pytest.raises(CacheLayoutError, match="holds 1 sequences and this forward brings 2"):
+            layer.update(torch.randn(2, 1, tokens, 32), torch.randn(2, 1, tokens, 8))
