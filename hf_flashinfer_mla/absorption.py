@@ -18,14 +18,16 @@ Where the dense matrix comes from:
   (`DEQUANTIZERS`) and otherwise format-blind, by running the module on the identity basis of its input width
   (``proj(I) - proj(0)`` is exactly ``W^T``). The copy is a non-persistent buffer of ``kv_b_proj``: it moves with
   ``.to()``, is never saved, and is re-derived when any parameter or buffer of the module changes (identity or
-  version), so it can never be stale. It costs ``rows * kv_lora_rank`` activation-dtype values per layer (32 MiB
+  version; a write through ``weight.data`` is the one change no key sees). It costs ``rows * kv_lora_rank`` activation-dtype values per layer (32 MiB
   per layer for DeepSeek-V3 in bf16), paid only by layers that decode. Such a module gives no absorbed path when
   its parameters need gradients, or when its forward is not linear (dropout in train mode, say).
 
 Where no absorbed weight can be trusted to compute what the module computes, the attention expands the latent
 through the module itself, as sdpa does (`absorbed_weights` returns None, after one warning saying why,
-`unabsorbable`): forward hooks on the module (PEFT's per-row ``adapter_names``, pruning, a user's hook; tensor
-parallelism's own are the exception, its local shards already account for them), weights offloaded to the meta
+`unabsorbable`): forward hooks on the module or on every module, or its forward replaced on the instance (PEFT's
+per-row ``adapter_names``, pruning, a user's hook, an accelerate ``ModelHook``; tensor parallelism's hooks and
+accelerate's device alignment are the exceptions: the local shards and the attention's device handling account for
+them), weights offloaded to the meta
 device (accelerate's CPU or disk offload loads them only inside the module's forward), and, for a derived copy,
 state no key can watch (an ``nn.Linear`` subclass's plain attributes, inference tensors, whose in-place changes
 leave no version behind).
@@ -41,6 +43,7 @@ from typing import Callable
 import torch
 import transformers.utils.logging  # noqa: F401  (adds `info_once` to loggers)
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules import module as _nn_module
 
 logger = logging.getLogger("hf_flashinfer_mla")
@@ -53,10 +56,9 @@ _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _DENSE = "_flashinfer_mla_dense"  # buffer name on kv_b_proj: [rows, rank] (+1 row: the bias) in the activation dtype
 
-# A documented cache: for each kv_b_proj with a derived copy (or found not linear), the key of the state it was
-# derived in (`_source_key`), whether the copy holds a bias row, and the tensors of that state. Holding them keeps
-# their memory from being reused by a new weight (``weight.data = ...`` bumps no version), so an address in the key
-# names one tensor only. Weak and off the module: a deepcopy or a reloaded module derives its own copy.
+# A documented cache: for each kv_b_proj with a derived copy (or found unfit for one), the key of the state it was
+# looked at in (`_source_key`), whether the copy holds a bias row (None: no copy), and weak references to the
+# storages of that state. Weak and off the module: a deepcopy or a reloaded module derives its own copy.
 _derived: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -98,12 +100,9 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights |
             if (weight is hit[1] and bias is hit[2] and _storage(weight, bias, hit[3]) == hit[4]
                     and _hooks_key(proj) == hit[6]):
                 return hit[5]
-    reason = unabsorbable(proj)
-    if reason is not None:
-        logger.warning_once(f"flashinfer_mla: {reason}, so its weights are not absorbed: decode expands the latent "
-                            "through the module itself, as sdpa does.")
-        return None
     if _is_plain_linear(proj):
+        if not _absorbable(proj):
+            return None
         weight, bias = _local(proj.weight), _local(proj.bias)
         if not inference:
             return _split(module, weight, bias)
@@ -121,34 +120,62 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights |
     return _split(module, weight, bias)
 
 
+def _absorbable(proj: nn.Module) -> bool:
+    """`unabsorbable`'s verdict, warned about once per reason."""
+    reason = unabsorbable(proj)
+    if reason is not None:
+        logger.warning_once(f"flashinfer_mla: decode expands the latent through kv_b_proj itself, as sdpa does, "
+                            f"instead of absorbing its weights: {reason}.")
+    return reason is None
+
+
 def unabsorbable(proj: nn.Module) -> str | None:
     """Why no absorbed weight computes what `proj` computes (see the module's docstring), or None."""
-    hooks = [*_nn_module._global_forward_pre_hooks.values(), *_nn_module._global_forward_hooks.values()]
-    for m in proj.modules():
-        hooks += [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
-    names = sorted({_name(h) for h in hooks if not _where(h).startswith("torch.distributed")})
+    own = [h for m in proj.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    every = [*_nn_module._global_forward_pre_hooks.values(), *_nn_module._global_forward_hooks.values()]
+    names = sorted({_name(h) for h in own if not _where(h).startswith("torch.distributed")})
     if names:
-        return f"kv_b_proj has forward hooks ({', '.join(names)}) that absorbed decode would skip"
+        return f"it has forward hooks ({', '.join(names)}) that absorbed decode would skip"
+    if every:
+        return (f"forward hooks for every module are registered ({', '.join(sorted({_name(h) for h in every}))}, "
+                "with torch.nn.modules.module.register_module_forward_hook), which absorbed decode would skip")
     if any(t.is_meta for t in proj.parameters()):
-        return "kv_b_proj's weights are offloaded (on the meta device until its forward loads them)"
+        return ("its weights are offloaded (on the meta device until its forward loads them); keep it on the GPU, "
+                "in a device_map without CPU or disk offload, for absorbed decode")
+    replaced = sorted({type(m).__name__ for m in proj.modules() if "forward" in m.__dict__ and not _aligned(m)})
+    if replaced:
+        return (f"the forward of its {', '.join(replaced)} is replaced on the instance (an accelerate hook, say), "
+                "which absorbed decode would skip")
     if _is_plain_linear(proj):
         return None
-    if not _state_is_visible(proj):
-        return (f"kv_b_proj is a {type(proj).__name__}, whose output may depend on state this package cannot watch "
-                "for changes, such as plain attributes (a derived copy could go stale; if it depends on its tensors "
-                "alone, add its class name to hf_flashinfer_mla.absorption.KNOWN_LINEARS)")
+    hidden = next((m for m in proj.modules() if not _state_is_visible(m)), None)
+    if hidden is not None:
+        return (f"it holds a {type(hidden).__name__} ({type(hidden).__module__}), whose output may depend on state "
+                "this package cannot watch for changes, such as plain attributes, so a derived copy could go stale; "
+                f"if it depends on its tensors alone, add \"{type(hidden).__name__}\" to "
+                "hf_flashinfer_mla.absorption.KNOWN_LINEARS")
     if any(t.is_inference() for t in _sources(proj)):
-        return ("kv_b_proj's tensors are inference tensors (made under torch.inference_mode()), whose in-place "
-                "changes leave no trace, so a derived copy could go stale; load the model under torch.no_grad() "
-                "instead for absorbed decode")
+        return ("its tensors are inference tensors (made under torch.inference_mode()), whose in-place changes leave "
+                "no trace, so a derived copy could go stale; load the model under torch.no_grad() for absorbed decode")
     return None
 
 
+def _aligned(module: nn.Module) -> bool:
+    """Whether a forward replaced on `module` is accelerate's device alignment alone (``device_map`` without
+    offload): it moves inputs and outputs between devices, which the attention does itself."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook
+
+    hook = getattr(module, "_hf_hook", None)
+    hooks = hook.hooks if isinstance(hook, SequentialHook) else [hook]
+    return all(isinstance(h, AlignDevicesHook) and not h.offload for h in hooks)
+
+
 def _hooks_key(proj: nn.Module) -> tuple:
-    """The forward hooks that may run on `proj` (their handles' ids): tensor parallelism's, registered once, keep
-    the views of `_views`; any hook added or removed since makes `unabsorbable` look again."""
+    """The forward hooks that may run on `proj` (their handles' ids) and whether its forward is replaced: tensor
+    parallelism's hooks and accelerate's alignment, set once, keep the views of `_views`; any change since makes
+    `unabsorbable` look again."""
     return (tuple(proj._forward_pre_hooks), tuple(proj._forward_hooks), tuple(_nn_module._global_forward_pre_hooks),
-            tuple(_nn_module._global_forward_hooks))
+            tuple(_nn_module._global_forward_hooks), proj.__dict__.get("forward"))
 
 
 def _where(hook) -> str:
@@ -224,12 +251,11 @@ def _peft_state(proj: nn.Module) -> tuple:
             tuple(sorted((k, float(v)) for k, v in proj.scaling.items())), tuple(sorted(proj.lora_variant)))
 
 
-def _state_is_visible(proj: nn.Module) -> bool:
-    """Whether the key below sees everything `proj` computes with: its tensors and training flags, and PEFT's
+def _state_is_visible(m: nn.Module) -> bool:
+    """Whether the key below sees everything module `m` computes with: its tensors and training flag, and PEFT's
     switches for PEFT layers. Any other module, an ``nn.Linear`` subclass of the user's included, might keep state
     in plain attributes that no key can see."""
-    return all(_is_peft_lora(m) or type(m).__name__ in KNOWN_LINEARS or type(m).__module__.startswith("torch.nn")
-               for m in proj.modules())
+    return _is_peft_lora(m) or type(m).__name__ in KNOWN_LINEARS or type(m).__module__.startswith("torch.nn")
 
 
 def _sources(proj: nn.Module) -> list[torch.Tensor]:
@@ -240,12 +266,16 @@ def _sources(proj: nn.Module) -> list[torch.Tensor]:
 
 
 def _source_key(proj: nn.Module, dtype: torch.dtype, tensors: list[torch.Tensor]) -> tuple:
-    """Address and version of everything the module computes with: any change (``load_state_dict``, ``.to()``,
-    an optimizer step, a copy of the module, a PEFT adapter switched, disabled, merged) re-derives the dense copy."""
+    """Storage and version of everything the module computes with, and each submodule's class, training flag,
+    hooks and PEFT switches: any change (``load_state_dict``, ``.to()``, an optimizer step, ``weight.data = ...``,
+    a copy of the module, a hook, a PEFT adapter switched, disabled, merged) looks at the module again. (A write
+    through ``weight.data`` bumps no version: it is the one change no key sees.)"""
     return (
         dtype,
-        tuple((t.data_ptr(), t._version) for t in tensors),
-        tuple(m.training for m in proj.modules()),
+        tuple((t.untyped_storage()._cdata, None if t.is_inference() else t._version) for t in tensors),
+        tuple((type(m), m.training, tuple(m._forward_pre_hooks), tuple(m._forward_hooks), m.__dict__.get("forward"))
+              for m in proj.modules()),
+        (tuple(_nn_module._global_forward_pre_hooks), tuple(_nn_module._global_forward_hooks)),
         tuple(_peft_state(m) for m in proj.modules() if _is_peft_lora(m)),
     )
 
@@ -255,20 +285,22 @@ def _dense_copy(proj: nn.Module, rank: int, dtype: torch.dtype) -> tuple[torch.T
     tensors = _sources(proj)
     key = _source_key(proj, dtype, tensors)
     held = _derived.get(proj)
-    cached = getattr(proj, _DENSE, None)
-    if held is not None and held[0] == key:
-        # (found not linear in this very state: not probed again until the state changes)
-        return None if held[1] is None else _unpack(cached, held[1])
-    derived = _derive(proj, rank, dtype)
+    if held is not None and held[0] == key and not any(ref.expired() for ref in held[2]):
+        # (the same state: its copy, or its verdict that none can be made, not looked at again until it changes)
+        return None if held[1] is None else _unpack(getattr(proj, _DENSE), held[1])
+    # Weak references to the storages keep their addresses from being reused while the key names them (a new weight
+    # could otherwise take an old one's address), without keeping their memory.
+    refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    derived = _derive(proj, rank, dtype) if _absorbable(proj) else None
     if derived is None:
-        _derived[proj] = (key, None, [t.detach() for t in tensors])  # (aliases: they keep the storage, not the name)
+        _derived[proj] = (key, None, refs)
         return None
     weight, bias = derived
     weight = _local(weight).to(dtype)
     bias = None if bias is None else _local(bias).to(dtype)
     packed = weight if bias is None else torch.cat([weight, bias[:, None]], dim=1)
     proj.register_buffer(_DENSE, packed.contiguous(), persistent=False)
-    _derived[proj] = (key, bias is not None, [t.detach() for t in tensors])  # (the buffer is not in the key)
+    _derived[proj] = (key, bias is not None, refs)  # (the buffer is not in the key)
     logger.info_once(  # Transformers' logging adds info_once to every logger; one line per format and size
         f"flashinfer_mla: absorbed decode keeps a dense {dtype} copy of each {type(proj).__name__} kv_b_proj "
         f"({packed.numel() * packed.element_size() / 2**20:.1f} MiB per layer that decodes)."

@@ -64,15 +64,15 @@ class Rows:
         mask, checked for what a kernel cannot express (see `refusal`); `additive`: the mask as the model passed
         it, when that was a float mask, checked for a bias."""
         first, lens, one_run = single_runs(valid)
-        checks = {}  # refusal -> [B] bool, True where a row passes
+        checks = {}  # refusal -> [B] bool, True where a row passes (the first failed is named)
+        if additive is not None:
+            checks["the step's float mask adds a bias to the scores it shows (an ALiBi-like bias, or a finite "
+                   "masking value)"] = ~((additive != 0) & as_bool_mask(additive)).flatten(1).any(-1)
         if mask is not None and q_len > 1:  # token i: the last one's positions but the last q_len - 1 - i
             rank = valid.int().cumsum(-1) - 1
             keep = lens[:, None] - torch.arange(q_len - 1, -1, -1, dtype=torch.int32, device=valid.device)
             checks["the step's mask is not causal within the step (right padding, or a tree of drafts?)"] = (
                 (valid[:, None, :] & (rank[:, None, :] < keep[:, :, None])) == mask[:, 0]).flatten(1).all(-1)
-        if additive is not None:
-            checks["the step's float mask adds a bias to the scores it shows (an ALiBi-like bias, or a finite "
-                   "masking value)"] = ~((additive != 0) & as_bool_mask(additive)).flatten(1).any(-1)
         host = torch.stack([lens, first.int(), one_run.int(), *(c.int() for c in checks.values())]).cpu()  # the sync
         failed = [reason for reason, passed in zip(checks, host[3:]) if not bool(passed.all())]
         if mask is not None and mask.shape[1] != 1:

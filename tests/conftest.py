@@ -160,20 +160,17 @@ def mla_layers(model) -> list[torch.nn.Module]:
 def kv_b_proj_rows(model):
     """Rows each MLA layer's kv_b_proj receives while the block runs (one entry per call with a sequence-shaped
     input ``[B, 1, S, rank]``: an expansion of cached latents; a derivation of its matrix does not count). Recorded
-    by wrapping each module's forward on the instance, not with a forward hook: the package honours hooks on
-    kv_b_proj by expanding the latent through the module, which would change what is measured."""
-    rows, projs = [], [m.kv_b_proj for m in mla_layers(model)]
-    for proj in projs:
-        def forward(x, *args, _inner=proj.forward, **kwargs):
-            if x.dim() >= 3:
-                rows.append(x.shape[:-1].numel())
-            return _inner(x, *args, **kwargs)
-        proj.forward = forward
-    try:
+    by wrapping the forward of kv_b_proj's class, not with a hook or on the instance: the package decodes through a
+    kv_b_proj with hooks or a replaced forward (it cannot see what they do), which would change what is measured."""
+    rows, projs = [], {id(m.kv_b_proj) for m in mla_layers(model)}
+    with pytest.MonkeyPatch.context() as mp:
+        for cls in {type(m.kv_b_proj) for m in mla_layers(model)}:
+            def forward(self, x, *args, _inner=cls.forward, **kwargs):
+                if id(self) in projs and x.dim() >= 3:
+                    rows.append(x.shape[:-1].numel())
+                return _inner(self, x, *args, **kwargs)
+            mp.setattr(cls, "forward", forward)
         yield rows
-    finally:
-        for proj in projs:
-            del proj.forward
 
 
 def left_padded_batch(seed: int = 1, lengths=(7, 4, 9)):

@@ -375,14 +375,32 @@ def _own_state(proj):
     proj.scale = 2.0
 
 
+def _accelerate_hook(proj):
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Scaled(ModelHook):
+        def post_forward(self, module, output):
+            return output * 1.5
+
+    add_hook_to_module(proj, Scaled())  # (accelerate replaces the instance's forward)
+
+
+def _accelerate_alignment(proj):
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    add_hook_to_module(proj, AlignDevicesHook(execution_device="cpu", io_same_device=True))  # device_map's own
+
+
 # What is done to each kv_b_proj after a first, absorbed generate(), and the warning it brings (None: none, the
 # decode stays absorbed).
 AFTER_ABSORBING = {
-    "forward-hook": (_hooked_output, "kv_b_proj has forward hooks"),
-    "forward-pre-hook": (_hooked_input, "kv_b_proj has forward hooks"),
+    "forward-hook": (_hooked_output, "it has forward hooks"),
+    "forward-pre-hook": (_hooked_input, "it has forward hooks"),
     "pruned": (_pruned, "torch.nn.utils.prune.L1Unstructured"),
     "weight-norm": (_weight_normed, None),
-    "own-state": (_own_state, "add its class name to hf_flashinfer_mla.absorption.KNOWN_LINEARS"),
+    "accelerate-hook": (_accelerate_hook, "is replaced on the instance"),
+    "accelerate-alignment": (_accelerate_alignment, None),
+    "own-state": (_own_state, "add \"ScaledLinear\" to hf_flashinfer_mla.absorption.KNOWN_LINEARS"),
 }
 
 

@@ -1073,3 +1073,30 @@ def test_a_4d_mask_wider_than_the_cache_is_refused_naming_the_cause(fake_hopper)
     wide = torch.ones(2, 1, 1, 9, dtype=torch.bool)  # the cache will hold 7 rows
     with pytest.raises(ValueError, match="covers 9 positions but the cache holds 7"):
         model(input_ids=ids[:, :1], attention_mask=wide, position_ids=torch.full((2, 1), 6), cache=cache)
+
+
+@torch.no_grad()
+def test_an_additive_mask_is_added_at_its_own_precision_as_eager_adds_it():
+    """eager adds a float32 mask to bfloat16 scores in float32 (type promotion): a constant offset on every position
+    a row shows then changes nothing after the softmax. Added in bfloat16 it would round the scores at the offset's
+    magnitude."""
+    model = make_model("deepseek_v3", dtype=torch.bfloat16)
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    forced = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(4))
+
+    def run(offset):
+        def shifted(mask):
+            return torch.where(mask > torch.finfo(mask.dtype).min / 2, mask + offset, mask)
+        return decode_logits(model, ids, torch.ones_like(ids), forced=forced,
+                             forward=with_4d_masks(model, "plain", lambda m: shifted(m.float())))
+
+    assert rel_err(run(-64.0), run(0.0)) < 1e-3
+
+
+def test_a_finite_masking_value_is_refused_for_its_bias_first():
+    """A -1e4 mask over a step of 3 tokens shows every position to the kernels' rows, so it is also not causal; the
+    refusal names the cause the user can act on, the mask's values."""
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    additive = torch.zeros(1, 1, 3, 6).masked_fill(~torch.ones(3, 6, dtype=torch.bool).tril(3), -1e4)
+    rows = Rows.from_mask(valid, 3, torch.ones(1, 1, 3, 6, dtype=torch.bool), additive)
+    assert rows.refusal.startswith("the step's float mask adds a bias")

@@ -24,6 +24,7 @@ import weakref
 from typing import NamedTuple
 
 import torch
+import transformers.utils.logging  # noqa: F401  (gives logging.Logger its warning_once)
 from torch._guards import TracingContext
 
 from . import Refused
@@ -189,7 +190,7 @@ def mask_planned_outside_graph() -> bool:
     the plan noted last is then missing, or is one that layers already ran on, an uncompiled step's)."""
     context = TracingContext.try_get()
     if context is not None and context in _graphs_building_masks:
-        logger.warning(
+        logger.warning_once(
             "flashinfer_mla: this compiled graph builds its own attention mask, so no kernel can be planned before "
             "each CUDA-graph replay; its decode runs on the PyTorch reference backend. Use generate(..., "
             'cache_implementation="static"), which compiles the decode step and builds the mask outside the graph.'
@@ -198,7 +199,7 @@ def mask_planned_outside_graph() -> bool:
     ref = getattr(_planned, "ref", None)
     plan = ref() if ref is not None else None
     if plan is None or plan.consumers:
-        logger.warning(
+        logger.warning_once(
             "flashinfer_mla: this compiled graph is handed a 4D attention mask that flashinfer_mla's mask function "
             "did not build, so nothing reloads its kernels' metadata before a CUDA-graph replay; its decode runs on "
             "the PyTorch reference backend. Pass the 2D padding mask and build the 4D mask outside the graph with "

@@ -45,8 +45,8 @@ def masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`scores` under `mask` as ``eager`` applies it: the dtype's minimum where it hides a position and, where an
     additive (float) mask shows one, its value added (0, or a bias)."""
     keep = as_bool_mask(mask)
-    if keep is not mask:
-        scores = scores + torch.where(keep, mask, 0).to(scores.dtype)
+    if keep is not mask:  # (at the wider dtype of the two, as eager's addition promotes them)
+        scores = scores + torch.where(keep, mask, 0)
     return scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
 
 
@@ -106,9 +106,12 @@ def attend_sparse(mask, indices, scale: float, q_lat, q_pe, kv_latent, k_rot, si
     h, n, rank = q_lat.shape
     b, sq, k = indices.shape
     idx = indices.long()
-    picked = mask[:, 0].gather(2, idx.clamp_min(0))  # [B, Sq, K]: the mask at the selected positions
-    picked = (picked & (idx >= 0) if picked.dtype == torch.bool
-              else picked.masked_fill(idx < 0, torch.finfo(picked.dtype).min))
+    # The mask at the selected positions, per head where it has a row per head: [B, Sq, H or 1, K]
+    heads = mask.shape[1]
+    picked = mask.transpose(1, 2).gather(3, idx.clamp_min(0)[:, :, None, :].expand(-1, -1, heads, -1))
+    hidden = (idx < 0)[:, :, None, :]
+    picked = (picked & ~hidden if picked.dtype == torch.bool
+              else picked.masked_fill(hidden, torch.finfo(picked.dtype).min))
     flat = idx.clamp_min(0).view(b, sq * k, 1)
 
     def rows(cache):  # [B, 1, S, D] -> the selected rows [B, Sq, K, D]
@@ -117,6 +120,6 @@ def attend_sparse(mask, indices, scale: float, q_lat, q_pe, kv_latent, k_rot, si
     ckv, kpe = rows(kv_latent), rows(k_rot)
     scores = torch.einsum("hbsl,bskl->bshk", q_lat.view(h, b, sq, rank), ckv)
     scores = (scores + torch.einsum("bshr,bskr->bshk", q_pe.view(b, sq, h, -1), kpe)) * scale
-    scores = masked(scores, picked[:, :, None, :])
+    scores = masked(scores, picked)
     probs = softmax_with_sinks(scores, sinks, 2, q_lat.dtype)
     return torch.einsum("bshk,bskl->hbsl", probs, ckv).reshape(h, n, rank)
