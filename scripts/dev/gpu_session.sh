@@ -35,7 +35,7 @@ ROOT=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 { date -u +"%Y-%m-%d %H:%M UTC"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, flashinfer; print(torch.__version__, transformers.__version__, flashinfer.__version__)"
-  echo "package sha256: $(cat hf_flashinfer_mla/*.py hf_flashinfer_mla/kernels/*.py | sha256sum | cut -c1-16)"; } > "$O/date_$1.txt" 2>&1
+  echo "package sha256: $(export LC_ALL=C; cat hf_flashinfer_mla/*.py hf_flashinfer_mla/kernels/*.py | sha256sum | cut -c1-16)"; } > "$O/date_$1.txt" 2>&1
 cat "$O/date_$1.txt"
 run() { local limit=$1 log=$2; shift 2; echo "## $*" >> "$O/$log"; timeout "$limit" "$@" >> "$O/$log" 2>&1 || echo "exit $?" >> "$O/$log"; }
 # Host time per layer, this package against the revision unpacked in ab_old/, in the order given (old*, new*).
