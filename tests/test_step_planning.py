@@ -46,6 +46,14 @@ CPU, META = torch.device("cpu"), torch.device("meta")
 F64 = torch.float64
 
 
+def _with_eager_twin():
+    """A float64 deepseek_v3 model on flashinfer_mla and an eager model with the same weights."""
+    model = make_model("deepseek_v3", dtype=F64)
+    eager = make_model("deepseek_v3", attn="eager", dtype=F64)
+    eager.load_state_dict(model.state_dict())
+    return model, eager
+
+
 def _spy(monkeypatch, owner, name):
     """Record the calls of ``owner.name`` (a function, or a classmethod of a class) and pass them on."""
     calls = []
@@ -929,9 +937,7 @@ def test_a_short_right_padded_forward_runs_the_reference_not_a_causal_kernel(fak
     of the last one's rows that ends where a causal kernel ends it (the padding tokens come last), so fa3 and fa2
     refuse the step, saying why, and the reference gives each valid token eager's logits. The control shows the
     refusal is what keeps it right: a causal kernel planned from the last token's rows alone is off."""
-    model = make_model("deepseek_v3", dtype=F64)
-    eager = make_model("deepseek_v3", attn="eager", dtype=F64)
-    eager.load_state_dict(model.state_dict())
+    model, eager = _with_eager_twin()
     g = torch.Generator().manual_seed(0)
     lengths = (5, 8, 3)
     ids, mask = torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long)
@@ -961,9 +967,7 @@ def test_a_2d_mask_written_in_place_between_steps_is_read_again(fake_hopper):
     before the next step. The padding recorded on the mask (and the step planned ahead from it) no longer describes
     it: the tensor's version counter moved, so the step is planned from the mask itself, and every later step too;
     the logits stay eager's."""
-    model = make_model("deepseek_v3", dtype=F64)
-    eager = make_model("deepseek_v3", attn="eager", dtype=F64)
-    eager.load_state_dict(model.state_dict())
+    model, eager = _with_eager_twin()
     ids, mask, _ = left_padded_batch(lengths=(9, 4, 7))  # row 0 unpadded: eager's float64 batch is finite there
     logits = {}
     for name, m in (("ours", model), ("eager", eager)):
@@ -994,9 +998,7 @@ def test_an_additive_mask_that_adds_a_bias_gets_eagers_logits(request, caplog, k
     the mask's values, and fa3, which can only show or hide a row, refuses the step with one warning. The control:
     rows that do not report the bias send the step to fa3, which drops it."""
     fake = request.getfixturevalue("fake_hopper") if kernel else None
-    model = make_model("deepseek_v3", dtype=F64)
-    eager = make_model("deepseek_v3", attn="eager", dtype=F64)
-    eager.load_state_dict(model.state_dict())
+    model, eager = _with_eager_twin()
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, 2] = 0  # a hole in row 1's history (no padding: eager's float64 batch is finite)
@@ -1036,9 +1038,7 @@ def test_4d_masks_per_head_or_broadcast_over_the_batch_get_eagers_logits(request
     (one warning; the reference applies each head's) and runs a batch-wide mask expanded to the batch, once per step
     (each step gets one plan, not one per layer)."""
     fake = request.getfixturevalue("fake_hopper") if kernel else None
-    model = make_model("deepseek_v3", dtype=F64)
-    eager = make_model("deepseek_v3", attn="eager", dtype=F64)
-    eager.load_state_dict(model.state_dict())
+    model, eager = _with_eager_twin()
     ids = torch.randint(1, VOCAB, (3, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     forced = torch.randint(1, VOCAB, (3, 5), generator=torch.Generator().manual_seed(4))
