@@ -11,7 +11,8 @@ Where the dense matrix comes from:
   never stale (a view reads the weight's current values), gradients reach ``kv_b_proj.weight`` exactly as with
   sdpa, and ``.to()``/``deepcopy``/``save_pretrained`` see only the model's own tensors. Slicing them costs about as
   much host time as a kernel launch, so outside autograd the views of each layer are kept in `_views` (weakly, off
-  the module) until its weight is another tensor or lives in other memory. Under tensor parallelism
+  the module) until its weight is another tensor or lives in other memory; ``.to()`` drops them at once (the hook
+  in ``models.py``), and a weight replaced otherwise is let go at its layer's next decode. Under tensor parallelism
   the weight is a DTensor; its local shard (this rank's heads) is used.
 * Any other module (FP8, bitsandbytes, GPTQ/AWQ, compressed-tensors, a custom linear, a PEFT adapter): the dense
   matrix is derived once, in the activation dtype, with the quantizer's own dequantize function where there is one
@@ -118,6 +119,11 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights |
         return None
     weight, bias = dense
     return _split(module, weight, bias)
+
+
+def forget_views(module: nn.Module) -> None:
+    """Drop the views `_views` keeps of `module`'s kv_b_proj weight (called before ``.to()`` moves it)."""
+    _views.pop(module, None)
 
 
 def _absorbable(proj: nn.Module) -> bool:
@@ -322,7 +328,7 @@ def _derive(proj: nn.Module, rank: int, dtype: torch.dtype):
 
 def _peft_lora_dense(proj: nn.Module, rank: int, dtype: torch.dtype):
     """A PEFT LoRA layer as its forward computes it: the base layer, plus each active adapter's
-    ``get_delta_weight`` unless adapters are disabled or merged (merged ones are in the base weight already; disabled
+    ``get_delta_weight`` (and its ``lora_B`` bias, with ``lora_bias=True``) unless adapters are disabled or merged (merged ones are in the base weight already; disabled
     ones are taken out of it, as PEFT's forward unmerges them first)."""
     base = _derive(proj.base_layer, rank, dtype)
     if base is None:
@@ -336,6 +342,9 @@ def _peft_lora_dense(proj: nn.Module, rank: int, dtype: torch.dtype):
         deltas, sign = [a for a in proj.active_adapters if a in proj.lora_A], 1.0
     for adapter in deltas:
         weight = weight + sign * proj.get_delta_weight(adapter).to(dtype)
+        if getattr(proj, "lora_bias", {}).get(adapter):  # (`lora_bias=True`: lora_B's bias, which the delta omits)
+            delta = sign * proj.lora_B[adapter].bias.to(dtype) * proj.scaling[adapter]
+            bias = delta if bias is None else _local(bias).to(dtype) + delta
     return weight, bias
 
 

@@ -1,10 +1,14 @@
-"""Which Transformers models can run ``flashinfer_mla``, and the one hook this package puts into them.
+"""Which Transformers models can run ``flashinfer_mla``, and the two hooks this package puts into them.
 
 Every MLA attention class in Transformers (>= 5.15), dense or sparse (DSA), caches the compressed latent and only afterwards calls
 ``self.expand_kv(kv_nope, k_rot)``, which pushes the *whole* cached history through ``kv_b_proj`` on every step.
 When a model runs ``flashinfer_mla`` that call is made to hand back the latent unchanged; the attention function
 (``attention.py``) then decides per step whether to expand it once (prefill) or to attend over it directly
 (absorbed decode). With any other attention implementation the original ``expand_kv`` runs untouched.
+
+The second hook is on the class's ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` run): it drops the absorbed
+views of the layer's ``kv_b_proj`` weight (``absorption._views``), which would otherwise keep the weight's old memory
+alive until the layer's next decode, as sdpa does not (a DeepSeek-V3 moved off its GPU would leave 2 GiB behind).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import inspect
 
 from torch import nn
 
+from .absorption import forget_views
 from .errors import UnsupportedModelError
 
 ATTN_NAME = "flashinfer_mla"
@@ -105,10 +110,20 @@ def _latent_passthrough(expand_kv):
     return expand_kv_or_pass_latent
 
 
-def install_latent_hook(model_class: type) -> list[type]:
-    """Wrap `expand_kv` of every MLA attention class in `model_class`'s modeling module (idempotent).
+def _views_forgotten(apply):
+    @functools.wraps(apply)
+    def _apply(self, fn, *args, **kwargs):
+        forget_views(self)  # (the weight is about to get new storage: see the module's docstring)
+        return apply(self, fn, *args, **kwargs)
 
-    Returns the attention classes that carry the hook.
+    _apply._flashinfer_mla_hook = True
+    return _apply
+
+
+def install_latent_hook(model_class: type) -> list[type]:
+    """Wrap `expand_kv` and `_apply` of every MLA attention class in `model_class`'s modeling module (idempotent).
+
+    Returns the attention classes that carry the hooks.
     """
     module = importlib.import_module(model_class.__module__)
     hooked = []
@@ -117,6 +132,8 @@ def install_latent_hook(model_class: type) -> list[type]:
             continue
         if not getattr(cls.expand_kv, "_flashinfer_mla_hook", False):
             cls.expand_kv = _latent_passthrough(cls.expand_kv)
+        if not getattr(cls._apply, "_flashinfer_mla_hook", False):
+            cls._apply = _views_forgotten(cls._apply)
         hooked.append(cls)
     if not hooked:
         raise UnsupportedModelError(

@@ -90,6 +90,7 @@ class StepPlan:
         self._loaded: set[tuple] = set()  # graph slots this step has loaded
         self.slot_refusals: dict[tuple, str] = {}  # slots of this shape whose kernel cannot serve this step
         self.consumers: set[int] = set()  # attention modules that ran on this plan (see `step_plan`)
+        self.last_layer = -1  # the highest layer_idx among them
 
     # ------------------------------------------------------------------------------------------- what builders read
     @property
@@ -230,9 +231,11 @@ class StepPlan:
         """Whether a plan-less `mask` reaching `module` is a copy of this plan's mask made for this very step:
         it has the plan's shape and dtype, the plan belongs to `module`'s model, another layer already runs on it
         (a plan no layer ran on, such as a compiled step's, is no step in progress) and `module` has not run on it
-        yet (a layer that already ran on it is at a new step)."""
+        yet and comes after the layers that did (a layer that already ran on it is at a new step; an earlier layer
+        is another model's, built on the same config object, with a mask of its own)."""
         return (
             bool(self.consumers)
+            and getattr(module, "layer_idx", self.last_layer + 1) > self.last_layer
             and tuple(mask.shape) == self.source_shape
             and mask.dtype == self.source_dtype
             and module.config is self.config
@@ -279,14 +282,19 @@ def first_accepting(chain, layer: Layer, build, q_len: int) -> Route:
 
 
 def _report(refusals: list, route: Route, q_len: int, layer: Layer) -> None:
-    """One warning per kind of refusal (numbers folded, so a step of another length does not warn again), and one
-    for an FP8 latent that the chosen kernel reads dequantized."""
+    """One warning per kind of refusal: the backends that refused for one reason together, numbers folded, so that
+    a step of another length or at another context does not warn again; and one for an FP8 latent that the chosen
+    kernel reads dequantized."""
+    by_reason: dict[str, list[str]] = {}
     for backend, reason in refusals:
+        by_reason.setdefault(re.sub(r"[0-9]+", "N", reason.split(":")[0]), []).append(backend)
+        logger.debug("flashinfer_mla: %s refused a plan of %d query token(s): %s", backend, q_len, reason)
+    for reason, backends in by_reason.items():
+        verb = "declines" if len(backends) == 1 else "decline"
         logger.warning_once(
-            f"flashinfer_mla: {backend} declines some decode steps of {q_len} query token(s) at {layer.heads} heads "
-            f"({re.sub(r'[0-9]+', 'N', reason.split(':')[0])}); those steps run on {route.backend}."
+            f"flashinfer_mla: {' and '.join(backends)} {verb} some decode steps at {layer.heads} heads ({reason}); "
+            f"those steps run on {route.backend}."
         )
-        logger.debug("flashinfer_mla: %s refused a plan: %s", backend, reason)
     if route.dequantize is not None:
         logger.warning_once(
             f"flashinfer_mla: the {route.backend} backend cannot read the FP8 latent in place (FlashInfer's fa3 on "
@@ -330,6 +338,7 @@ def step_plan(mask: torch.Tensor, module) -> StepPlan:
         else:
             plan = attach_plan(mask, config=module.config)
     plan.consumers.add(id(module))
+    plan.last_layer = max(plan.last_layer, getattr(module, "layer_idx", -1))
     return plan
 
 

@@ -233,11 +233,11 @@ def additive_mask(attention_mask: torch.Tensor, q_len: int, kind: str = "alibi",
     return (-0.5 * distance).expand(shown.shape).masked_fill(~shown, torch.finfo(dtype).min)
 
 
-def with_4d_masks(model, kind: str = "alibi", reshape=None):
+def with_4d_masks(model, kind: str = "alibi", reshape=None, dtype=torch.float64):
     """A decode step's forward that hands `model` the step's `additive_mask` instead of its 2D mask (passed through
     `reshape` first, if given)."""
     def forward(input_ids, attention_mask, **kwargs):
-        mask = additive_mask(attention_mask, input_ids.shape[1], kind)
+        mask = additive_mask(attention_mask, input_ids.shape[1], kind, dtype)
         return model(input_ids=input_ids, attention_mask=mask if reshape is None else reshape(mask), **kwargs)
     return forward
 

@@ -136,6 +136,27 @@ def test_nothing_outlives_to_and_weights_never_go_stale():
     assert _extra_tensors(model) == []
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("move", ["float64", "half", "meta"])
+def test_to_lets_the_old_weights_go_at_once(move):
+    """After a decode, ``.to()`` (another dtype, another device) frees each kv_b_proj weight's old memory at once,
+    as with sdpa: the absorbed views kept for the next decode are dropped before the move (they held the old storage
+    until the layer's next decode, which a model moved off its GPU never has). The moved model still decodes."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    ids, mask, prompts = left_padded_batch(lengths=(5, 3))
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    old = [StorageWeakRef(m.kv_b_proj.weight.untyped_storage()) for m in _attention_modules(model)]
+    assert len(old) == 2 and not any(ref.expired() for ref in old)
+    {"float64": lambda: model.to(torch.float64), "half": model.half, "meta": lambda: model.to("meta")}[move]()
+    assert all(ref.expired() for ref in old)
+    if move == "float64":
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- issue 8: quantized
 def _fake_fp8_linear(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None,
                      allow_deepgemm=True):

@@ -23,7 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
-    assert_batch_matches_eager_alone, generate_alone_with_eager, left_padded_batch, make_model, rel_err,
+    VOCAB, additive_mask, assert_batch_matches_eager_alone, decode_logits, generate_alone_with_eager,
+    left_padded_batch, make_model, rel_err, with_4d_masks,
 )
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
@@ -126,19 +127,23 @@ class SecondModelStepper(LogitsProcessor):
     then one greedy token per call, with its own DynamicCache and its own growing 2D mask. Records that model's
     last-token logits and returns the scores unchanged (so it must not change the main generation at all)."""
 
-    def __init__(self, model, ids, mask):
-        self.model, self.ids, self.mask = model, ids, mask
+    def __init__(self, model, ids, mask, four_d: bool = False):
+        self.model, self.ids, self.mask, self.four_d = model, ids, mask, four_d
         self.cache = DynamicCache(config=model.config)
         self.logits: list[torch.Tensor] = []
 
     def step(self) -> None:
+        mask = None
         if not self.logits:
             ids, pos = self.ids, (self.mask.cumsum(-1) - 1).clamp(min=0)
         else:
             ids = self.logits[-1].argmax(-1, keepdim=True)
             pos = self.mask.sum(-1, keepdim=True)
             self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=-1)
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache, use_cache=True)
+            # (`four_d`: decode steps get a 4D float mask of the user's own, as eager's masks are)
+            mask = additive_mask(self.mask, 1, "plain", torch.float32) if self.four_d else None
+        out = self.model(input_ids=ids, attention_mask=self.mask if mask is None else mask, position_ids=pos,
+                         cache=self.cache, use_cache=True)
         self.logits.append(out.logits[:, -1])
 
     def __call__(self, input_ids, scores):
@@ -149,8 +154,8 @@ class SecondModelStepper(LogitsProcessor):
         return torch.stack(self.logits, dim=1)  # [B, steps, V]
 
 
-def stepped_alone(model, ids, mask, steps: int) -> torch.Tensor:
-    stepper = SecondModelStepper(model, ids, mask)
+def stepped_alone(model, ids, mask, steps: int, four_d: bool = False) -> torch.Tensor:
+    stepper = SecondModelStepper(model, ids, mask, four_d)
     with torch.no_grad():
         for _ in range(steps):
             stepper.step()
@@ -229,6 +234,39 @@ def test_second_model_stepped_inside_generate_matches_eager_alone_float64(second
     ), (f"max |logit - eager alone| per row: second model {[f'{d:.3g}' for d in second_diff]}, "
         f"main model {[f'{d:.3g}' for d in main_diff]}")
     assert_batch_matches_eager_alone(main, ours, prompts, NEW_TOKENS, TOL64)
+
+
+@torch.no_grad()
+def test_two_models_on_one_config_with_4d_masks_of_their_own_match_eager():
+    """Two models built on one config object (``type(a)(a.config)`` does not copy it), stepped in turn, each with 4D
+    float masks of its own of the same shape and other padding (float32): each model's steps are planned from its
+    own masks. (The second model's layers took over the first's plan, off by 0.7: a mask without a plan adopted its
+    config's current step, a rule meant for the copies of one mask made for layers on other devices.)"""
+    a = make_model("deepseek_v3", dtype=torch.float32)
+    b = type(a)(a.config).eval()
+    b.load_state_dict(make_model("deepseek_v3", dtype=torch.float32, seed=3).state_dict())
+    assert b.config is a.config
+    ids, mask, _ = left_padded_batch(lengths=MAIN_LENGTHS)
+    ids2, mask2, _ = left_padded_batch(seed=4, lengths=(5, 9, 2))  # as wide as the main batch, other padding
+    forced = torch.randint(1, VOCAB, (3, NEW_TOKENS), generator=torch.Generator().manual_seed(6))
+    stepper = SecondModelStepper(b, ids2, mask2, four_d=True)
+    stepper.step()  # its prefill
+
+    def both(input_ids, attention_mask, **kwargs):  # a's step, then b's, while a's mask is still alive
+        mask = additive_mask(attention_mask, input_ids.shape[1], "plain", torch.float32)
+        out = a(input_ids=input_ids, attention_mask=mask, **kwargs)
+        stepper.step()
+        return out
+
+    ours_a = decode_logits(a, ids, mask, forced=forced, forward=both)
+    a.set_attn_implementation("eager")  # (for both models: they share the config)
+    try:
+        ref_a = decode_logits(a, ids, mask, forced=forced, forward=with_4d_masks(a, "plain", dtype=torch.float32))
+        ref_b = stepped_alone(b, ids2, mask2, NEW_TOKENS + 1, four_d=True)
+    finally:
+        a.set_attn_implementation("flashinfer_mla")
+    errs = {"a": rel_err(ours_a, ref_a), "b": rel_err(stepper.recorded(), ref_b)}
+    assert all(e < TOL32 for e in errs.values()), errs
 
 
 # ------------------------------------------------------------------------------ several generate() calls in a row

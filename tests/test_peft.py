@@ -179,6 +179,38 @@ def test_adapter_states_generate_like_eager(model_type):
     assert not wrong, f"flashinfer_mla generate() differs from eager in adapter states {wrong}"
 
 
+@pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed:UserWarning")
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_lora_bias_decodes_like_eager(model_type):
+    """``LoraConfig(lora_bias=True)`` gives each adapter's ``lora_B`` a bias, which PEFT's forward adds (scaled) and
+    ``get_delta_weight`` leaves out: the derived matrix carries it as a bias of its value half, through adapter
+    switches, disabling and two adapters at once, so decode equals eager's in every state (it ignored the bias)."""
+    model = make_model(model_type)
+    config = dict(target_modules=["kv_b_proj"], r=4, lora_alpha=8, init_lora_weights=False, task_type="CAUSAL_LM",
+                  lora_bias=True)
+    torch.manual_seed(100)
+    pm = get_peft_model(model, LoraConfig(**config), adapter_name=FIRST)
+    torch.manual_seed(101)
+    pm.add_adapter(SECOND, LoraConfig(**config))
+    pm.eval()
+    with torch.no_grad():  # biases large enough to matter (PEFT initialises lora_B's bias to zero)
+        for m in mla_layers(pm):
+            for name in (FIRST, SECOND):
+                m.kv_b_proj.lora_B[name].bias.normal_(0, 0.5)
+    ids, mask, forced = inputs()
+    errs, outs = {}, {}
+    for name, context in [(FIRST, nullcontext()), (SECOND, nullcontext()), ("disabled", pm.disable_adapter()),
+                          ("both", nullcontext())]:
+        if name == SECOND:
+            pm.set_adapter(SECOND)
+        if name == "both":
+            pm.base_model.set_adapter([FIRST, SECOND])
+        with context:
+            errs[name], _, outs[name] = decode_vs_eager(pm, ids, mask, forced)
+    assert all(e < TOL64 for e in errs.values()), errs
+    assert rel_err(outs[FIRST], outs[SECOND]) > 1e-2 and rel_err(outs["both"], outs[FIRST]) > 1e-2
+
+
 # ------------------------------------------------------------------------------------------------------- training
 def lora_grads(pm) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in pm.named_parameters() if p.requires_grad}

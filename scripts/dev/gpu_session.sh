@@ -117,7 +117,7 @@ case "$1" in
     run 100 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
         --steps 10 --time-limit 80 --out "$O" --name decode_graphs_target.json
     run 190 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
-        --attn sdpa flashinfer_mla --repeats 2 --out "$O" --name generate_v2lite_static.json
+        --attn sdpa flashinfer_mla --repeats 3 --out "$O" --name generate_v2lite_static.json
     for f in host_ab grid graphs generate; do echo "== $f"; grep -v "^  \|Loading" "$O/$f.txt" | tail -30; done ;;
   round)
     timeout 110 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_graphs.py -k records_no -s 2>&1 \
