@@ -955,11 +955,12 @@ def test_a_short_right_padded_forward_runs_the_reference_not_a_causal_kernel(fak
         assert worst() < 1e-6
     assert any("the step's mask is not causal within the step" in w for w in package_warnings(caplog))
     assert fake_hopper.modules.get("fa3") is None or fake_hopper.modules["fa3"].runs == 0
-    # The control: rows that claim to be causal send the step to fa3, which then attends over the wrong rows.
-    real_from_mask = Rows.from_mask.__func__
+    # The control: a builder that takes every row (rows 0 and 2 also show fewer positions than the step has query
+    # tokens, which kernels refuse too) sends the step to fa3, which then attends over the wrong rows.
+    from hf_flashinfer_mla.kernels import fa
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Rows, "from_mask", classmethod(lambda cls, valid, q_len, *checks: real_from_mask(
-            cls, valid, q_len)))
+        mp.setattr(fa, "refuse_inexpressible", lambda rows: None)
         assert worst() > 1e-2 and fake_hopper.modules["fa3"].runs > 0
 
 

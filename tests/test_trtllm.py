@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
-from conftest import package_warnings
-from fake_flashinfer import fresh_caches
+from conftest import assert_batch_matches_eager_alone, left_padded_batch, make_model, package_warnings
+from fake_flashinfer import fake_hopper, fresh_caches  # noqa: F401  (fixture)
 from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import _trtllm_gen_mla_incompatibility_reason
 from flashinfer.utils import _resolve_trtllm_gen_multi_ctas_kv_counter_buffer, get_trtllm_gen_multi_ctas_kv_counter_bytes
 
@@ -731,3 +731,28 @@ def test_step_trtllm_cannot_serve_runs_on_the_reference(monkeypatch, caplog, cas
         step = StepPlan(_left_padded_mask([0, 64, 128], s))
         decode_latent(step, requested, q_lat, q_pe, layer.keys, layer.values, 0.1)
         assert next(iter(step.routes.values())).backend == backend and len(kernel.calls) == 1
+
+
+# (fake_blackwell: left padding 0 and 64, on trtllm-gen's pages; fake_hopper: 0 and 67, so that the last chunk ends
+# 3 positions after row 1's padding, 3 of its 6 query tokens)
+@pytest.mark.parametrize("fixture, lengths", [("fake_blackwell", (70, 6)), ("fake_hopper", (70, 3))])
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_prefill_chunks_inside_left_padding_run_on_the_reference(request, caplog, fixture, lengths,
+                                                                 cache_implementation):
+    """``generate(prefill_chunk_size=8)`` on a left-padded batch: a chunk that lies inside a row's padding, or ends
+    in it, shows that row fewer cached positions than it has query tokens (none, or 3 of 6), which FlashInfer's
+    kernels do not take (trtllm-gen faults: its stand-in checks the contract and raised; fa3 returns zeros for an
+    empty row). Those steps run on the reference, with one warning; the decode steps still run on the kernel, and
+    every token and logit equals each prompt generated alone with eager."""
+    kernel = request.getfixturevalue(fixture)
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    model = make_model("deepseek_v3")
+    ids, mask, prompts = left_padded_batch(lengths=lengths)
+    static = {} if cache_implementation is None else dict(cache_implementation="static", disable_compile=True)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, prefill_chunk_size=8,
+                         output_logits=True, return_dict_in_generate=True, **static)
+    assert_batch_matches_eager_alone(model, out, prompts, 4, tol=1e-6)
+    warned = [w for w in package_warnings(caplog) if "fewer cached positions than the step has query tokens" in w]
+    assert len(warned) == 1, package_warnings(caplog)
+    runs = len(kernel.calls) if fixture == "fake_blackwell" else kernel.modules["fa3"].runs
+    assert runs > 0  # the other steps ran on the kernel

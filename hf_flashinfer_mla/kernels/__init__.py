@@ -34,9 +34,15 @@ class Refused(Exception):
 
 def refuse_inexpressible(rows) -> None:
     """`Refused` for a step whose mask no kernel's rows express (`Rows.refusal` says why: right padding in a chunk of
-    a few tokens, a mask per head, an additive mask with a bias)."""
+    a few tokens, a mask per head, an additive mask with a bias), or with a sequence that shows fewer positions
+    than the step has query tokens: a prefill chunk inside a row's left padding (``prefill_chunk_size``), or a row
+    the mask hides entirely. FlashInfer's contract has every sequence at least as long as the step (trtllm-gen
+    faults otherwise, fa3 returns zeros for an empty row); the reference computes such rows as sdpa does."""
     if rows.refusal is not None:
         raise Refused(rows.refusal)
+    if bool((rows.lens < rows.q_len).any()):
+        raise Refused("a sequence shows fewer cached positions than the step has query tokens (a chunk within its "
+                      "left padding, or a row the mask hides entirely)")
 
 
 @dataclass(frozen=True)
