@@ -337,6 +337,10 @@ def step_plan(mask: torch.Tensor, module) -> StepPlan:
             plan = current
         else:
             plan = attach_plan(mask, config=module.config)
+            # The caller builds its masks without the mask function: a graph it compiles next must not take the
+            # plan the mask function noted last (a step of another loop, alive still) for one of its own masks,
+            # whose CUDA-graph slots the mask function reloads before each replay (``kernels/graphs.py``).
+            graphs.note_mask_planned(None)
     plan.consumers.add(id(module))
     plan.last_layer = max(plan.last_layer, getattr(module, "layer_idx", -1))
     return plan

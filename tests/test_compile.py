@@ -177,3 +177,41 @@ def test_a_compiled_forward_takes_graph_slots_only_for_masks_the_mask_function_p
     slot_runs = fake_hopper.modules["fa3"].runs - runs
     assert rel_err(graph_mode, plain) < 1e-10
     assert slot_runs == (2 * steps if masks == "mask function" else 0)  # two layers per step, or the reference
+
+
+@torch.no_grad()
+def test_the_callers_own_masks_after_a_loop_over_the_mask_functions_take_no_graph_slots(fake_hopper):
+    """A compiled loop over ``create_masks_for_generate``'s masks, whose last step's mask (and plan, on which no
+    layer ran: the graph ran them) stays alive, as torch's CUDA-graph trees or a reference cycle may keep it; then the
+    caller's own 4D masks, uncompiled, and the same loop compiled anew. The compiled loop must not take the earlier
+    plan for one of its own masks (on the H200 its replays ran the captured step's rows: logits off by 1.19): the
+    caller's own masks reaching a layer forget the plan noted last, and the graphs run the reference backend."""
+    torch._dynamo.reset()
+    model = make_model("deepseek_v3", first_k_dense_replace=2)
+    steps, kept = 4, []
+    max_len = left_padded_batch()[0].shape[1] + steps + 3
+
+    def with_4d(forward, own):
+        def step(attention_mask, cache, position_ids, **kwargs):
+            if own:
+                mask4d = torch.zeros(attention_mask.shape[0], 1, 1, max_len, dtype=torch.bool)
+                mask4d[:, 0, 0, : attention_mask.shape[1]] = attention_mask.bool()
+            else:
+                mask4d = create_masks_for_generate(config=model.config, inputs_embeds=torch.empty(
+                    attention_mask.shape[0], 1, 0, dtype=model.dtype), attention_mask=attention_mask, cache=cache,
+                    position_ids=position_ids)
+                kept.append(mask4d)
+            return forward(attention_mask=mask4d, cache=cache, position_ids=position_ids, **kwargs)
+
+        return step
+
+    _decode_steps(with_4d(torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False), own=False),
+                  model, steps)
+    plain = _decode_steps(with_4d(model, own=True), model, steps)
+    torch._dynamo.reset()
+    runs = fake_hopper.modules["fa3"].runs
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+    graph_mode = _decode_steps(with_4d(compiled, own=True), model, steps)
+    assert rel_err(graph_mode, plain) < 1e-10
+    assert fake_hopper.modules["fa3"].runs == runs  # the reference, not the slots
+    assert len(kept) == steps
