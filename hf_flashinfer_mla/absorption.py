@@ -328,8 +328,9 @@ def _derive(proj: nn.Module, rank: int, dtype: torch.dtype):
 
 def _peft_lora_dense(proj: nn.Module, rank: int, dtype: torch.dtype):
     """A PEFT LoRA layer as its forward computes it: the base layer, plus each active adapter's
-    ``get_delta_weight`` (and its ``lora_B`` bias, with ``lora_bias=True``) unless adapters are disabled or merged (merged ones are in the base weight already; disabled
-    ones are taken out of it, as PEFT's forward unmerges them first)."""
+    ``get_delta_weight`` (and its ``lora_B`` bias, with ``lora_bias=True``) unless adapters are disabled or merged
+    (merged ones are in the base weight already; disabled ones are taken out of it, as PEFT's forward unmerges them
+    first)."""
     base = _derive(proj.base_layer, rank, dtype)
     if base is None:
         return None

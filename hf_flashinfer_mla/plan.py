@@ -235,7 +235,7 @@ class StepPlan:
         is another model's, built on the same config object, with a mask of its own)."""
         return (
             bool(self.consumers)
-            and getattr(module, "layer_idx", self.last_layer + 1) > self.last_layer
+            and _layer_idx(module, self.last_layer + 1) > self.last_layer
             and tuple(mask.shape) == self.source_shape
             and mask.dtype == self.source_dtype
             and module.config is self.config
@@ -342,8 +342,13 @@ def step_plan(mask: torch.Tensor, module) -> StepPlan:
             # whose CUDA-graph slots the mask function reloads before each replay (``kernels/graphs.py``).
             graphs.note_mask_planned(None)
     plan.consumers.add(id(module))
-    plan.last_layer = max(plan.last_layer, getattr(module, "layer_idx", -1))
+    plan.last_layer = max(plan.last_layer, _layer_idx(module, -1))
     return plan
+
+
+def _layer_idx(module, default: int) -> int:
+    idx = getattr(module, "layer_idx", None)  # (None on an attention module built without one)
+    return default if idx is None else idx
 
 
 def decode_latent(plan: StepPlan, requested: str, q_lat, q_pe, kv_latent, k_rot, scale: float,

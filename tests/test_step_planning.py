@@ -578,6 +578,7 @@ def test_adoption_rule():
     assert not step.adoptable_by(copy, l0)  # a layer that ran on it is at a new step
     assert not step.adoptable_by(copy, stranger)  # another model
     assert not step.adoptable_by(copy, _Module(config, 0))  # another model's first layer, on the same config
+    assert step.adoptable_by(copy, _Module(config, None))  # a module built without a layer_idx: no order to check
     assert not step.adoptable_by(torch.ones(2, 1, 1, 6, dtype=torch.bool), l1)  # another shape
     assert not step.adoptable_by(torch.zeros(2, 1, 1, 5), l1)  # another dtype
     assert step_plan(copy, l1) is step
