@@ -72,6 +72,33 @@ def test_trtllm_gen_sparse_decode_matches_eager_per_row(dsa_type, topk, fake_bla
     assert (first >= 0).sum(-1).tolist() == [min(n, topk) for n in (8, 5, 13)]
 
 
+@torch.no_grad()
+def test_trtllm_gen_sparse_step_with_holes_runs_the_reference(fake_blackwell):
+    """A sparse step whose mask has holes: trtllm-gen's sparse MLA takes each sequence's end (``seq_lens``), which
+    such rows do not carry on the host (it was handed their visible counts instead, for every row of the batch), so
+    the step runs on the reference, with eager's logits; the same batch without the holes runs the kernel, with the
+    rows' ends."""
+    model = make_model("deepseek_v32", dtype=torch.float64, index_topk=5)
+    g = torch.Generator().manual_seed(5)
+    ids, forced = torch.randint(1, VOCAB, (2, 12), generator=g), torch.randint(1, VOCAB, (2, 2), generator=g)
+    holes = torch.ones_like(ids)
+    holes[0, 3] = holes[0, 7] = 0  # no left padding: batched float64 eager is exact
+    for mask in (holes, torch.ones_like(ids)):
+        fake_blackwell.calls.clear()
+        ours = decode_logits(model, ids, mask, cache=hf_flashinfer_mla.MLALatentCache(model.config), forced=forced)
+        model.set_attn_implementation("eager")
+        try:
+            ref = decode_logits(model, ids, mask, forced=forced)
+        finally:
+            model.set_attn_implementation("flashinfer_mla")
+        assert rel_err(ours, ref) < 1e-6
+        sparse = [c for c in fake_blackwell.calls if c.get("sparse")]
+        if mask is holes:
+            assert sparse == []
+        else:
+            assert sparse and sparse[0]["seq_lens"].tolist() == [13, 13]
+
+
 def test_sinks_decline_the_kernel_and_decode_on_the_reference(fake_hopper, monkeypatch, caplog):
     _matches_eager_per_row(make_model("hy_v4", dtype=torch.float64), 3)
     assert not fake_hopper.modules.get("fa3", None) or not fake_hopper.modules["fa3"].runs

@@ -130,10 +130,12 @@ def _sparse(backend: str, rows, layer, into) -> TrtllmMetadata:
                       f"{', in a CUDA graph' if into is not None else ''})")
     if not layer.packed:
         raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
+    if rows.first is None:  # (its seq_lens are each sequence's end, which rows with holes do not carry on the host)
+        raise Refused("the step's mask has holes, and trtllm-gen's sparse MLA takes each sequence's end")
     counts = rows.token_rows(layer.topk).lens.view(rows.batch, rows.q_len, 1)
     selectable = torch.arange(layer.topk, dtype=torch.int32) < counts
     offsets = (torch.arange(rows.batch, dtype=torch.int32) * layer.pitch).view(-1, 1, 1).expand(-1, rows.q_len, 1)
-    ends = rows.lens + (rows.first.to(torch.int32) if rows.first is not None else 0)
+    ends = rows.lens + rows.first.to(torch.int32)
     counter = counter_buffer(rows.batch * rows.q_len, layer.heads, layer.device)
     return TrtllmMetadata(backend, None, to_device(ends.to(torch.int32), layer.device), int(ends.max()), counter,
                           sparse=(to_device(offsets.contiguous(), layer.device), to_device(selectable, layer.device)))
