@@ -89,8 +89,8 @@ class StepPlan:
         self._ahead: dict[tuple, Any] = {}  # what the previous step planned for this one (`plan_next`)
         self._loaded: set[tuple] = set()  # graph slots this step has loaded
         self.slot_refusals: dict[tuple, str] = {}  # slots of this shape whose kernel cannot serve this step
-        self.consumers: set[int] = set()  # attention modules that ran on this plan (see `step_plan`)
-        self.last_layer = -1  # the highest layer_idx among them
+        # The attention modules that ran on this plan (by id), with their layer_idx (see `step_plan`).
+        self.consumers: dict[int, int] = {}
 
     # ------------------------------------------------------------------------------------------- what builders read
     @property
@@ -233,9 +233,10 @@ class StepPlan:
         (a plan no layer ran on, such as a compiled step's, is no step in progress) and `module` has not run on it
         yet and comes after the layers that did (a layer that already ran on it is at a new step; an earlier layer
         is another model's, built on the same config object, with a mask of its own)."""
+        idx = getattr(module, "layer_idx", None)  # (None on an attention module built without one: no order)
         return (
             bool(self.consumers)
-            and _layer_idx(module, self.last_layer + 1) > self.last_layer
+            and (idx is None or idx > max(self.consumers.values()))
             and tuple(mask.shape) == self.source_shape
             and mask.dtype == self.source_dtype
             and module.config is self.config
@@ -341,14 +342,8 @@ def step_plan(mask: torch.Tensor, module) -> StepPlan:
             # plan the mask function noted last (a step of another loop, alive still) for one of its own masks,
             # whose CUDA-graph slots the mask function reloads before each replay (``kernels/graphs.py``).
             graphs.note_mask_planned(None)
-    plan.consumers.add(id(module))
-    plan.last_layer = max(plan.last_layer, _layer_idx(module, -1))
+    plan.consumers[id(module)] = getattr(module, "layer_idx", None) or 0
     return plan
-
-
-def _layer_idx(module, default: int) -> int:
-    idx = getattr(module, "layer_idx", None)  # (None on an attention module built without one)
-    return default if idx is None else idx
 
 
 def decode_latent(plan: StepPlan, requested: str, q_lat, q_pe, kv_latent, k_rot, scale: float,
