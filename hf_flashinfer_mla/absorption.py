@@ -92,15 +92,15 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights |
 
     Call once per layer and step: for a plain linear it only slices the live weight.
     """
-    proj = module.kv_b_proj
+    proj = module._modules["kv_b_proj"]  # (read off the dicts, not through nn.Module.__getattr__: it costs)
     inference = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
-    if inference:  # (autograd: each forward's graph gets its own views; a compiled graph holds its own)
-        hit = _views.get(module)
-        if hit is not None and hit[0] is proj and type(proj) is nn.Linear:  # (its parameters read off its dict)
-            weight, bias = proj._parameters.get("weight"), proj._parameters.get("bias")
-            if (weight is hit[1] and bias is hit[2] and _storage(weight, bias, hit[3]) == hit[4]
-                    and _hooks_key(proj) == hit[6]):
-                return hit[5]
+    # (autograd: each forward's graph gets its own views; a compiled graph holds its own)
+    hit = _views.get(module) if inference else None
+    if hit is not None and hit[0] is proj and type(proj) is nn.Linear:  # (a class can be swapped on an instance)
+        weight, bias = proj._parameters.get("weight"), proj._parameters.get("bias")
+        if (weight is hit[1] and bias is hit[2] and _storage(weight, bias, hit[3]) == hit[4]
+                and _hooks_key(proj) == hit[6]):
+            return hit[5]
     if _is_plain_linear(proj):
         if not _absorbable(proj):
             return None
@@ -380,26 +380,36 @@ def _from_identity_basis(proj: nn.Module, rank: int, dtype: torch.dtype):
 
 
 # ------------------------------------------------------------------------------------------------- the two GEMMs
-def absorb_query(q_nope: torch.Tensor, weights: AbsorbedWeights) -> torch.Tensor:
-    """``[B, H, Sq, qk_nope]`` -> latent query ``[H, B * Sq, kv_lora_rank]`` (one batched GEMM over heads).
+def absorb_query(query: torch.Tensor, nope: int, weights: AbsorbedWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, Sq, qk_nope + rope]`` query -> (latent query ``[H, B * Sq, kv_lora_rank]``, one batched GEMM over
+    heads; rotary query ``[B * Sq, H, rope]``).
 
     The latent operands stay head-major (row ``b * Sq + s``) from here to the projection: FlashInfer's kernels take
-    the strides of their query and output, so no layer copies them into another layout."""
-    b, h, s, d = q_nope.shape
-    q = q_nope.select(2, 0).transpose(0, 1) if s == 1 else q_nope.permute(1, 0, 2, 3).reshape(h, b * s, d)
-    return torch.bmm(q, weights.w_uk)  # [H, B*Sq, L]
-
-
-def rope_rows(q_pe: torch.Tensor) -> torch.Tensor:
-    """``[B, H, Sq, rope]`` -> ``[B * Sq, H, rope]`` (a view for one query token, as decode has)."""
-    b, h, s, r = q_pe.shape
-    return q_pe.select(2, 0) if s == 1 else q_pe.transpose(1, 2).reshape(b * s, h, r)
+    the strides of their query and output, so no layer copies them into another layout. With one query token (decode)
+    both halves are one strided view each of the query, not a chain of five views: this runs on every layer of every
+    step, where each view costs host time."""
+    b, h, s, d = query.shape
+    if s == 1 and not (query.requires_grad or torch.compiler.is_compiling()):
+        # (autograd and compilers get plain views: as_strided's backward is costly, and a compiler may lay out the
+        # query otherwise than eager did)
+        sb, sh, _, sd = query.stride()
+        at = query.storage_offset()
+        q_nope = query.as_strided((h, b, nope), (sh, sb, sd), at)
+        q_pe = query.as_strided((b, h, d - nope), (sb, sh, sd), at + nope * sd)
+    else:
+        q_nope = query.narrow(-1, 0, nope).permute(1, 0, 2, 3).reshape(h, b * s, nope)
+        q_pe = query.narrow(-1, nope, d - nope).transpose(1, 2).reshape(b * s, h, d - nope)
+    return torch.bmm(q_nope, weights.w_uk), q_pe
 
 
 def project_output(o_lat: torch.Tensor, weights: AbsorbedWeights, batch: int) -> torch.Tensor:
-    """Latent attention output ``[H, B * Sq, kv_lora_rank]`` -> ``[B, Sq, H, v_head_dim]`` (the interface's layout)."""
+    """Latent attention output ``[H, B * Sq, kv_lora_rank]`` -> ``[B, Sq, H, v_head_dim]`` (the interface's layout;
+    one strided view of the GEMM's output)."""
     h, n, _ = o_lat.shape
     out = torch.bmm(o_lat, weights.w_uv_t)  # [H, B*Sq, dv]
     if weights.v_bias is not None:
         out = out + weights.v_bias[:, None, :]
-    return out.view(h, batch, n // batch, -1).permute(1, 2, 0, 3)
+    if out.requires_grad or torch.compiler.is_compiling():
+        return out.view(h, batch, n // batch, -1).permute(1, 2, 0, 3)
+    dv = out.shape[-1]
+    return out.as_strided((batch, n // batch, h, dv), (n // batch * dv, dv, n * dv, 1))

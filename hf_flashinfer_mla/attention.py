@@ -24,7 +24,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
-from .absorption import absorb_query, absorbed_weights, project_output, rope_rows
+from .absorption import absorb_query, absorbed_weights, project_output
 from .cache import FP8, dequantize_latent
 from .capabilities import load_backend, requested_backend
 from .errors import CacheLayoutError, UnsupportedModelError
@@ -96,9 +96,7 @@ def flashinfer_mla_attention_forward(
             f"query has {query.shape[1]} heads but kv_b_proj holds {weights.num_heads}: q_b_proj/q_proj and "
             "kv_b_proj must be sharded the same way (both column-wise by heads under tensor parallelism)."
         )
-    nope = module.qk_nope_head_dim
-    q_nope, q_pe = query.narrow(-1, 0, nope), query.narrow(-1, nope, query.shape[-1] - nope)
-    q_lat, q_pe = absorb_query(q_nope, weights), rope_rows(q_pe)  # [H, B*Sq, L], [B*Sq, H, R]
+    q_lat, q_pe = absorb_query(query, module.qk_nope_head_dim, weights)  # [H, B*Sq, L], [B*Sq, H, R]
     grad = torch.is_grad_enabled() and (q_lat.requires_grad or kv_latent.requires_grad or k_rot.requires_grad)
     topk = 0 if indices is None else indices.shape[-1]
     if torch.compiler.is_compiling():
@@ -181,8 +179,8 @@ def _check_pitch(kv_latent: torch.Tensor, k_rot: torch.Tensor) -> None:
 
 def _check_latent(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rank, rope = module.kv_lora_rank, module.qk_rope_head_dim
-    if not (key.dim() == value.dim() == 4 and key.shape[:3] == value.shape[:3] and key.shape[1] == 1
-            and (key.shape[-1], value.shape[-1]) == (rank, rope)):
+    shape = key.shape
+    if len(shape) != 4 or shape[1] != 1 or shape[3] != rank or value.shape != (shape[0], 1, shape[2], rope):
         raise CacheLayoutError(
             f"{ATTN_NAME} expects the cache to return the MLA latent ([batch, 1, seq, {rank}] and "
             f"[batch, 1, seq, {rope}]) but got {tuple(key.shape)} and {tuple(value.shape)}. Use Transformers' "

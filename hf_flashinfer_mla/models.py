@@ -87,8 +87,10 @@ def check_model_supported(config):
 
 
 def is_mla_attention(module: nn.Module) -> bool:
-    """True for an MLA attention module of a supported model (it owns `kv_b_proj` and `expand_kv`), dense or sparse."""
-    return hasattr(module, "kv_b_proj") and hasattr(module, "expand_kv")
+    """True for an MLA attention module of a supported model (it owns `kv_b_proj` and `expand_kv`), dense or sparse.
+    (Read off the module's dict and class: every layer of every step asks, and ``hasattr`` on a submodule goes
+    through ``nn.Module.__getattr__``.)"""
+    return "kv_b_proj" in module._modules and hasattr(type(module), "expand_kv")
 
 
 def original_expand_kv(module: nn.Module):

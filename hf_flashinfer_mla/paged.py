@@ -38,7 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
 from . import capabilities
-from .absorption import absorb_query, absorbed_weights, project_output, rope_rows
+from .absorption import absorb_query, absorbed_weights, project_output
 from .errors import UnsupportedModelError
 from .kernels import Layer, Refused, fa, ragged, reference, trtllm
 from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, original_expand_kv
@@ -289,8 +289,7 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
         tokens = step.cu_q[decode]
         all_decode = len(decode) == step.batch == t
         q = query if all_decode else query[:, :, to_device(tokens, query.device)]
-        q_nope, q_pe = q.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
-        q_lat, q_pe = absorb_query(q_nope, weights), rope_rows(q_pe)
+        q_lat, q_pe = absorb_query(q, module.qk_nope_head_dim, weights)
         key = (q_lat.device, q_lat.dtype, h, kv_latent.shape[-1], k_rot.shape[-1], scale, requested)
         route = step.routes.get(key)
         if route is None:

@@ -52,16 +52,19 @@ class Route:
     meta: Any
     dequantize: torch.dtype | None = None
 
+    def __post_init__(self):
+        self.kernel = FAMILIES[self.backend].run
+
     def run(self, q_lat, q_pe, kv_latent, k_rot, indices=None, sinks=None) -> torch.Tensor:
         scales = None
         if self.dequantize is not None:
             kv_latent, k_rot = dequantize_latent(kv_latent, k_rot, self.dequantize)
-        elif kv_latent.dtype == FP8:
+        elif self.layer.kv_dtype == FP8:
             found = latent_scales(kv_latent)
             scales = (found.latent, found.rope)
-        extra = {} if sinks is None else {"sinks": sinks}  # (only the reference takes sinks: kernels refuse them)
-        return FAMILIES[self.backend].run(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot, scales, indices,
-                                          **extra)
+        if sinks is not None:  # (only the reference takes sinks: kernels refuse them)
+            return self.kernel(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot, scales, indices, sinks=sinks)
+        return self.kernel(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot, scales, indices)
 
 
 class StepPlan:

@@ -116,7 +116,7 @@ def planning_ms(backend, layer, mask, device, reps, how) -> float:
 
 
 def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
-    from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights, project_output, rope_rows
+    from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights, project_output
     from hf_flashinfer_mla.capabilities import unavailable_reason
     from hf_flashinfer_mla.kernels import reference
     from hf_flashinfer_mla.plan import layer_of
@@ -130,14 +130,13 @@ def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
     torch.manual_seed(args.seed + heads)
     module = LatentProjection(heads, dtype, device)
     weights = absorbed_weights(module, dtype)
-    q_nope = torch.randn(batch, heads, 1, NOPE, device=device, dtype=dtype)
-    q_pe = torch.randn(batch, heads, 1, ROPE, device=device, dtype=dtype)
+    query = torch.randn(batch, heads, 1, NOPE + ROPE, device=device, dtype=dtype)
     caches = make_caches(layout, batch, context, copies, dtype, device)
     kv0, kr0 = caches[0][0], caches[0][1]
     pitch = kv0.stride(0) // kv0.stride(2)
     mask = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
     # The operands as the attention function hands them to a kernel: head-major, no copies (kernels/__init__.py).
-    q_lat, q_rows = absorb_query(q_nope, weights), rope_rows(q_pe)
+    q_lat, q_rows = absorb_query(query, NOPE, weights)
     f32 = reference.attend(mask, scale, q_lat.float(), q_rows.float(), kv0.float(), kr0.float())
     common = dict(heads=heads, batch=batch, context=context, layout=layout, dtype=str(dtype).replace("torch.", ""),
                   cache_copies=copies, pitch=pitch)
@@ -164,8 +163,7 @@ def bench_case(heads, layout, args, device, dtype, copy_bps) -> list[dict]:
 
             def full(i, route=route):  # absorb, kernel, project: a decode layer's attention work
                 kv, kr, _ = caches[i % copies]
-                return project_output(route.run(absorb_query(q_nope, weights), rope_rows(q_pe), kv, kr), weights,
-                                      batch)
+                return project_output(route.run(*absorb_query(query, NOPE, weights), kv, kr), weights, batch)
 
             k_ms = statistics.median(bc.time_ms(kernel, device, args.warmup, args.iters))
             f_ms = statistics.median(bc.time_ms(full, device, args.warmup, args.iters))

@@ -11,7 +11,7 @@ from transformers import ContinuousBatchingConfig
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from conftest import make_model
 from hf_flashinfer_mla import paged
-from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights, rope_rows
+from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights
 from test_continuous_batching import eager_tokens, greedy, prompts, small_cb
 
 
@@ -102,11 +102,10 @@ def test_mixed_step_kernel_against_reference(fake_hopper):
     for backend in ("fa3", "reference"):
         step = paged.PagedStep(q_lens, k_lens, tokens)
         idx = step.cu_q[step.decode]
-        q_nope, q_pe = query[:, :, idx].split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
         key = (query.device, query.dtype, heads, 32, 8, 0.3, backend)
         route = paged._route(step, key, table)
         assert route.backend == backend
-        outs[backend] = route.run(absorb_query(q_nope, weights), rope_rows(q_pe), kv, rot)
+        outs[backend] = route.run(*absorb_query(query[:, :, idx], attn.qk_nope_head_dim, weights), kv, rot)
     torch.testing.assert_close(outs["fa3"], outs["reference"], rtol=1e-10, atol=1e-10)
     plan = fake_hopper.modules["fa3"].plans[-1]
     assert plan["kv_len"].tolist() == [9, 13] and plan["kv_indptr"][:2].tolist() == [0, 16]

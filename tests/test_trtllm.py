@@ -160,7 +160,8 @@ def blackwell(monkeypatch, dtype=torch.float64, dims=(32, 8), sm_count=SM_COUNT)
 @pytest.fixture
 def fake_blackwell(monkeypatch):
     """`blackwell` for conftest's float64 models (latent 32 + rope 8)."""
-    return blackwell(monkeypatch)
+    yield blackwell(monkeypatch)
+    fresh_caches()  # (CUDA-graph slots of the stand-in's kernel would be reloaded by a later test's steps)
 
 
 # ---------------------------------------------------------------------------------------------------- head counts
