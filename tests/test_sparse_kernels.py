@@ -63,40 +63,42 @@ def test_fa3_sparse_decode_matches_eager_per_row(dsa_type, fake_hopper, monkeypa
 @pytest.mark.parametrize("dsa_type,topk", [("deepseek_v32", 4), ("glm_moe_dsa", 4), ("deepseek_v32", 11)])
 def test_trtllm_gen_sparse_decode_matches_eager_per_row(dsa_type, topk, fake_blackwell):
     """Blackwell: trtllm-gen's sparse MLA over the packed cache generate() gives it, checked by the stand-in
-    against FlashInfer's sparse contract (slots, -1 after each token's valid picks)."""
+    against the sparse contract vLLM's FlashInfer backend relies on (one row per query token, its slots, its
+    count of valid picks as seq_lens, -1 after them)."""
     model = make_model(dsa_type, dtype=torch.float64, index_topk=topk)
     _matches_eager_per_row(model, 4, cache=hf_flashinfer_mla.MLALatentCache(model.config))
     sparse = [c for c in fake_blackwell.calls if c.get("sparse")]
-    assert sparse and all(c["sparse"] == model.config.index_topk for c in sparse)
-    first = sparse[0]["tables"][:, 0]  # the first step: rows seeing 8, 5 and 13 positions, capped at topk
-    assert (first >= 0).sum(-1).tolist() == [min(n, topk) for n in (8, 5, 13)]
+    assert sparse and all(c["sparse"] == model.config.index_topk and c["q_len"] == 1 for c in sparse)
+    first = sparse[0]  # the first step: rows seeing 8, 5 and 13 positions, capped at topk
+    counts = [min(n, topk) for n in (8, 5, 13)]
+    assert first["seq_lens"].tolist() == counts and (first["tables"][:, 0] >= 0).sum(-1).tolist() == counts
 
 
 @torch.no_grad()
-def test_trtllm_gen_sparse_step_with_holes_runs_the_reference(fake_blackwell):
-    """A sparse step whose mask has holes: trtllm-gen's sparse MLA takes each sequence's end (``seq_lens``), which
-    such rows do not carry on the host (it was handed their visible counts instead, for every row of the batch), so
-    the step runs on the reference, with eager's logits; the same batch without the holes runs the kernel, with the
-    rows' ends."""
+def test_trtllm_gen_sparse_steps_with_left_padding_and_holes_match_eager(fake_blackwell):
+    """Sparse steps of rows whose visible positions do not end where the row ends (left padding) or are not one run
+    (holes in the mask) run trtllm-gen with each token's count of visible picks as its length, and give eager's
+    logits (without left padding, where batched float64 eager is exact; left padding per row elsewhere)."""
     model = make_model("deepseek_v32", dtype=torch.float64, index_topk=5)
     g = torch.Generator().manual_seed(5)
     ids, forced = torch.randint(1, VOCAB, (2, 12), generator=g), torch.randint(1, VOCAB, (2, 2), generator=g)
     holes = torch.ones_like(ids)
-    holes[0, 3] = holes[0, 7] = 0  # no left padding: batched float64 eager is exact
-    for mask in (holes, torch.ones_like(ids)):
-        fake_blackwell.calls.clear()
-        ours = decode_logits(model, ids, mask, cache=hf_flashinfer_mla.MLALatentCache(model.config), forced=forced)
-        model.set_attn_implementation("eager")
-        try:
-            ref = decode_logits(model, ids, mask, forced=forced)
-        finally:
-            model.set_attn_implementation("flashinfer_mla")
-        assert rel_err(ours, ref) < 1e-6
-        sparse = [c for c in fake_blackwell.calls if c.get("sparse")]
-        if mask is holes:
-            assert sparse == []
-        else:
-            assert sparse and sparse[0]["seq_lens"].tolist() == [13, 13]
+    holes[0, 3] = holes[0, 7] = 0
+    fake_blackwell.calls.clear()
+    ours = decode_logits(model, ids, holes, cache=hf_flashinfer_mla.MLALatentCache(model.config), forced=forced)
+    model.set_attn_implementation("eager")
+    try:
+        ref = decode_logits(model, ids, holes, forced=forced)
+    finally:
+        model.set_attn_implementation("flashinfer_mla")
+    assert rel_err(ours, ref) < 1e-6
+    sparse = [c for c in fake_blackwell.calls if c.get("sparse")]
+    assert sparse and sparse[0]["seq_lens"].tolist() == [5, 5]  # (11 and 13 visible, capped at topk)
+    short = make_model("deepseek_v32", dtype=torch.float64, index_topk=11)
+    fake_blackwell.calls.clear()
+    _matches_eager_per_row(short, 3, cache=hf_flashinfer_mla.MLALatentCache(short.config))
+    sparse = [c for c in fake_blackwell.calls if c.get("sparse")]
+    assert sparse and sparse[0]["seq_lens"].tolist() == [8, 5, 11]  # left-padded rows: their visible counts
 
 
 def test_sinks_decline_the_kernel_and_decode_on_the_reference(fake_hopper, monkeypatch, caplog):

@@ -118,25 +118,26 @@ class FakeTrtllm:
 
     def _sparse(self, query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend, counter,
                 topk, kv_lora_rank):
-        """Sparse MLA (``sparse_mla_top_k``, DeepSeek-V3.2 / GLM-5), as FlashInfer's sparse tests call it:
+        """Sparse MLA (``sparse_mla_top_k``, DeepSeek-V3.2 / GLM-5), as vLLM's FlashInfer sparse backend calls it:
         ``block_tables [B, Sq, topk]`` int32 flat cache slots (``page * page_size + offset``), each query token's
-        selection, padded with -1 after its valid slots; no causal rule (the selection is the token's own)."""
+        selection; a token attends to the first ``min(seq_lens[b], topk)`` of them, which must all be slots (-1
+        only after them); no causal rule (the selection is the token's own)."""
         b, sq, h, width = query.shape
         assert type(topk) is int and block_tables.shape == (b, sq, topk) and block_tables.dtype == torch.int32
         assert seq_lens.dtype == torch.int32 and seq_lens.shape == (b,) and max_seq_len >= int(seq_lens.max())
         assert type(bmm1_scale) is float and bmm2_scale == 1.0 and backend == "auto" and counter is not None
         _resolve_trtllm_gen_multi_ctas_kv_counter_buffer(counter, b * sq, h, self.sm_count, query.device)
         slots = kv_cache.shape[0] * kv_cache.shape[1]
-        valid = block_tables >= 0
-        assert bool((valid.int().diff(dim=-1) <= 0).all()), "-1 only after a token's valid slots"
-        assert bool(valid[..., 0].all()) and bool((block_tables < slots).all())
+        read = torch.arange(topk) < seq_lens.clamp(max=topk).long()[:, None, None]  # [B, 1, topk]
+        assert bool((block_tables[read.expand_as(block_tables)] >= 0).all()), "a -1 among the slots seq_lens reads"
+        assert bool((block_tables < slots).all()) and bool((seq_lens > 0).all())
         flat = kv_cache.reshape(slots, width)
         self.calls.append(dict(backend=backend, counter=counter, heads=h, batch=b, q_len=sq, sparse=topk,
                                tables=block_tables.clone(), seq_lens=seq_lens.clone(), scale=bmm1_scale))
         out = torch.empty(b, sq, h, kv_lora_rank, dtype=torch.float64)
         for i in range(b):
             for t in range(sq):
-                kv = flat[block_tables[i, t][valid[i, t]].long()].double()
+                kv = flat[block_tables[i, t][read[i, 0]].long()].double()
                 probs = (torch.einsum("hd,kd->hk", query[i, t].double(), kv) * bmm1_scale).softmax(-1)
                 out[i, t] = probs @ kv[:, :kv_lora_rank]
         return out.to(query.dtype)

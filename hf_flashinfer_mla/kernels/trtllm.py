@@ -13,10 +13,11 @@ on the reference backend (``plan.py``), never on wrong indices. Inside CUDA grap
 lengths and the counter buffer are allocated before capture for the shape's worst case, and the kernel is given the
 cache's capacity as its maximum length, so a replay reads only buffers that never move.
 
-Sparse (DSA) layers take trtllm-gen's sparse MLA (``sparse_mla_top_k``): ``block_tables [B, Sq, topk]`` holds each
-query token's selected cache slots (``b * pitch + indices``: token ``j`` of sequence ``b`` sits at that flat slot of
-the packed pages), ``-1`` past the ``min(topk, visible)`` positions it may attend to, as FlashInfer's sparse tests
-build them; the per-step part (offsets and that validity) is built once, each layer adds its indices.
+Sparse (DSA) layers take trtllm-gen's sparse MLA (``sparse_mla_top_k``) as vLLM's FlashInfer sparse backend calls
+it: one kernel row per query token, ``block_tables [B * Sq, 1, topk]`` its selected cache slots (``b * pitch +
+indices``: token ``j`` of sequence ``b`` sits at that flat slot of the packed pages), ``-1`` past the
+``min(topk, visible)`` positions it may attend to, and that count as its ``seq_lens``; the per-step part (offsets,
+validity, counts) is built once, each layer adds its indices.
 
 Continuous batching's paged latent cache is read the same way (`paged`): its rows are packed, and Transformers'
 pages of 32 or 64 rows (or a multiple) give the block tables, gathered from the step's read indices.
@@ -85,7 +86,8 @@ class TrtllmMetadata:
     max_seq_len: int
     counter: torch.Tensor | None  # trtllm-gen only
     fixed: bool = False
-    sparse: tuple | None = None  # sparse layers: (slot offset [B, Sq, 1], selectable [B, Sq, topk]) on the device
+    # sparse layers: (slot offset [B, Sq, 1], selectable [B, Sq, topk]) on the device; seq_lens [B * Sq], per token
+    sparse: tuple | None = None
     page_size: int = PAGE_SIZE  # rows per page of the tables (continuous batching: 32 where its pages hold 32)
 
 
@@ -123,21 +125,20 @@ def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=
 
 
 def _sparse(backend: str, rows, layer, into) -> TrtllmMetadata:
-    """A sparse step: each query token's slot offset and which of its `topk` picks it may attend to (the first
-    ``min(topk, visible)``: Transformers' indexers rank hidden positions last), on the host, copied once."""
+    """A sparse step, one kernel row per query token as vLLM's FlashInfer sparse backend runs it
+    (``flashinfer_mla_sparse.py``): its slot offset, which of its `topk` picks it may attend to (the first
+    ``min(topk, visible)``: Transformers' indexers rank hidden positions last) and that count as its ``seq_lens``, so
+    the kernel never reads past a token's valid picks; on the host, copied once."""
     if into is not None or backend != "trtllm-gen":
         raise Refused(f"sparse decode runs on trtllm-gen only and uncompiled (this step: {backend}"
                       f"{', in a CUDA graph' if into is not None else ''})")
     if not layer.packed:
         raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
-    if rows.first is None:  # (its seq_lens are each sequence's end, which rows with holes do not carry on the host)
-        raise Refused("the step's mask has holes, and trtllm-gen's sparse MLA takes each sequence's end")
-    counts = rows.token_rows(layer.topk).lens.view(rows.batch, rows.q_len, 1)
-    selectable = torch.arange(layer.topk, dtype=torch.int32) < counts
+    counts = rows.token_rows(layer.topk).lens  # [B * Sq]
+    selectable = torch.arange(layer.topk, dtype=torch.int32) < counts.view(rows.batch, rows.q_len, 1)
     offsets = (torch.arange(rows.batch, dtype=torch.int32) * layer.pitch).view(-1, 1, 1).expand(-1, rows.q_len, 1)
-    ends = rows.lens + rows.first.to(torch.int32)
     counter = counter_buffer(rows.batch * rows.q_len, layer.heads, layer.device)
-    return TrtllmMetadata(backend, None, to_device(ends.to(torch.int32), layer.device), int(ends.max()), counter,
+    return TrtllmMetadata(backend, None, to_device(counts, layer.device), layer.topk, counter,
                           sparse=(to_device(offsets.contiguous(), layer.device), to_device(selectable, layer.device)))
 
 
@@ -183,7 +184,7 @@ def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=No
     from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla  # heavy import
 
     h, n, _ = q_lat.shape
-    b = meta.seq_lens.shape[0]
+    b = meta.seq_lens.shape[0]  # (sparse: one row per query token)
     query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1).view(b, n // b, h, -1)  # [B, Sq, H, L + R]
     if meta.backend == "cute-dsl":
         kernel = {"backend": "cute-dsl"}  # takes no counter buffer (FlashInfer raises if given one)
@@ -193,7 +194,7 @@ def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=No
     tables = meta.block_tables
     if layer.topk:
         offsets, selectable = meta.sparse
-        tables = torch.where(selectable, indices + offsets, -1).to(torch.int32)  # [B, Sq, topk] slots
+        tables = torch.where(selectable, indices + offsets, -1).to(torch.int32).view(n, 1, -1)  # [B*Sq, 1, topk]
         kernel["sparse_mla_top_k"] = layer.topk
     out = trtllm_batch_decode_with_kv_cache_mla(
         query=query,
