@@ -10,7 +10,9 @@
 #   bash scripts/dev/gpu_session.sh hostab  # host time per layer, this package against ab_old/ (two rounds, alternated),
 #                                           # then the serving benchmark again
 #   bash scripts/dev/gpu_session.sh bench   # host time per layer, this package against the revision unpacked in
-#                                           # ab_old/ (git archive REV hf_flashinfer_mla scripts); the V3-shape grid
+#                                           # ab_old/ (git archive REV hf_flashinfer_mla scripts) and, where there is
+#                                           # one, the revision in ab_mid/ (alternated with this one, both timed by
+#                                           # this revision's bench_host.py, the attention function too); the V3 grid
 #                                           # (eager mode); the CUDA-graph target cell; DeepSeek-V2-Lite static-cache
 #                                           # generate() at batch 1 and 8
 #   bash scripts/dev/gpu_session.sh cb      # tests/gpu/test_gpu_continuous_batching.py (ragged prefill included), the
@@ -49,6 +51,8 @@ host_ab() {
     if [ "${v%2}" = old ]; then
       pp=$ROOT/ab_old:$PYTHONPATH
       if [ "${HOST_AB_SCRIPTS:-old}" = new ]; then cd "$ROOT/scripts"; else cd "$ROOT/ab_old/scripts"; fi
+    elif [ "${v%2}" = mid ]; then  # a second revision, in ab_mid/, always timed by this revision's bench_host.py
+      cd "$ROOT/scripts"; pp=$ROOT/ab_mid:$PYTHONPATH
     else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
     PYTHONPATH=$pp python3 -c "import hf_flashinfer_mla; print('$v:', hf_flashinfer_mla.__file__)" >> "$O/host_ab.txt" 2>&1
     PYTHONPATH=$pp run "$limit" host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
@@ -113,7 +117,7 @@ case "$1" in
       for f in profile_graphs graphs; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -40; done
     fi ;;
   bench)
-    host_ab 50 old new
+    if [ -d "$ROOT/ab_mid" ]; then host_ab 50 old mid new mid2 new2; else host_ab 50 old new; fi
     run 170 grid.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 8 32 128 --context 1024 4096 16384 32768 \
         --steps 6 --warmup 2 --time-limit 140 --out "$O" --name decode_eager.json
     run 100 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
