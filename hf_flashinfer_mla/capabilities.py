@@ -94,6 +94,8 @@ def unavailable_reason(
         return f"fa2 needs compute capability 8.0 or newer, this GPU has {arch}"
     if backend in ("trtllm-gen", "cute-dsl") and cc not in BLACKWELL:
         return f"{backend} runs on SM100/SM103 (B200, GB200, B300) only, this GPU has {arch}"
+    if backend in ("trtllm-gen", "cute-dsl") and dtype == torch.float16:
+        return f"{backend}'s MLA decode takes bfloat16 only (FlashInfer writes its output in bfloat16)"
     if backend == "trtllm-gen" and not trtllm_gen_supports_num_heads(num_heads):
         return f"trtllm-gen cannot tile {num_heads} heads (use cute-dsl)"
     return _flashinfer_import_error()
@@ -155,6 +157,9 @@ def backend_and_reason(
     if cc < (8, 0):
         return "reference", f"no FlashInfer MLA kernel supports compute capability {cc[0]}.{cc[1]}"
     reason = unavailable_reason(kernel, device, dtype, kv_lora_rank, rope_dim, num_heads)
+    if (reason and cc in BLACKWELL and dtype == torch.float16  # (Blackwell's own kernels are bfloat16 only)
+            and not unavailable_reason("fa2", device, dtype, kv_lora_rank, rope_dim, num_heads)):
+        return "fa2", f"{reason}; load the model in bfloat16 to run it"
     if reason:
         return "reference", reason
     if kernel == "cute-dsl":

@@ -89,6 +89,12 @@ def warnings_of(caplog):
 def test_auto_picks_kernel_for_gpu(capability, no_cuda, caplog, cc, heads, expected, dtype):
     calls = capability(cc)
     caplog.set_level(logging.DEBUG, logger="hf_flashinfer_mla")
+    if dtype == torch.float16 and expected in ("trtllm-gen", "cute-dsl"):
+        # FlashInfer's trtllm-gen and cute-dsl MLA decode write bfloat16 only: float16 goes to fa2, with one warning.
+        assert choose_backend(GPU, dtype, RANK, ROPE, heads) == "fa2"
+        msgs = [r.getMessage() for r in warnings_of(caplog)]
+        assert len(msgs) == 1 and "bfloat16 only" in msgs[0] and "fa2" in msgs[0]
+        return
     assert choose_backend(GPU, dtype, RANK, ROPE, heads) == expected
     assert calls and all(d == GPU for d in calls)
     # A kernel was found: no fallback warning (only the cute-dsl routing note on untileable head counts).
@@ -442,9 +448,10 @@ def test_environment_report_on_blackwell_explains_cute_dsl_below_the_table(capab
     header = next(i for i, line in enumerate(lines) if line.startswith("dtype"))
     table = {line.split()[0]: line.split()[1:] for line in lines[header + 1 : header + 4]}
     expected = ["cute-dsl" if h in (20, 24, 96) else "trtllm-gen" for h in HEADS]
-    assert table == {"bfloat16": expected, "float16": expected, "float32": ["reference"] * len(HEADS)}
+    assert table == {"bfloat16": expected, "float16": ["fa2"] * len(HEADS), "float32": ["reference"] * len(HEADS)}
     notes = lines[header + 4 :]
-    assert "cute-dsl because trtllm-gen cannot tile 96 query heads per device (bfloat16, float16: 96 heads)" in notes
+    assert "cute-dsl because trtllm-gen cannot tile 96 query heads per device (bfloat16: 96 heads)" in notes
+    assert any(n.startswith("fa2 because trtllm-gen's MLA decode takes bfloat16 only") for n in notes)
     assert any(n.startswith("reference because its kernels take bfloat16 or float16") for n in notes)
     assert warnings_of(caplog) == []  # nothing logged in the middle of the table
 

@@ -72,6 +72,7 @@ class FakeTrtllm:
         page = kv_cache.shape[1]
         assert kv_cache.stride() == (page * width, width, 1), kv_cache.stride()
         assert kv_cache.dtype == query.dtype and kv_cache.device == query.device
+        assert query.dtype != torch.float16, "FlashInfer's trtllm-gen MLA writes a bfloat16 output"
         assert workspace_buffer.dtype == torch.uint8 and workspace_buffer.is_contiguous()
         assert workspace_buffer.device == query.device
         if sparse_mla_top_k:
@@ -120,10 +121,11 @@ class FakeTrtllm:
                 topk, kv_lora_rank):
         """Sparse MLA (``sparse_mla_top_k``, DeepSeek-V3.2 / GLM-5), as vLLM's FlashInfer sparse backend calls it:
         ``block_tables [B, Sq, topk]`` int32 flat cache slots (``page * page_size + offset``), each query token's
-        selection; a token attends to the first ``min(seq_lens[b], topk)`` of them, which must all be slots (-1
-        only after them); no causal rule (the selection is the token's own)."""
+        selection, `topk` a multiple of 4 wide; a token attends to the first ``min(seq_lens[b], topk)`` of them,
+        which must all be slots (-1 only after them); no causal rule (the selection is the token's own)."""
         b, sq, h, width = query.shape
         assert type(topk) is int and block_tables.shape == (b, sq, topk) and block_tables.dtype == torch.int32
+        assert topk % 4 == 0, f"SparseMlaTopK must be a multiple of 4 (FlashInfer's C++ launcher; got {topk})"
         assert seq_lens.dtype == torch.int32 and seq_lens.shape == (b,) and max_seq_len >= int(seq_lens.max())
         assert type(bmm1_scale) is float and bmm2_scale == 1.0 and backend == "auto" and counter is not None
         _resolve_trtllm_gen_multi_ctas_kv_counter_buffer(counter, b * sq, h, self.sm_count, query.device)

@@ -16,8 +16,9 @@ cache's capacity as its maximum length, so a replay reads only buffers that neve
 Sparse (DSA) layers take trtllm-gen's sparse MLA (``sparse_mla_top_k``) as vLLM's FlashInfer sparse backend calls
 it: one kernel row per query token, ``block_tables [B * Sq, 1, topk]`` its selected cache slots (``b * pitch +
 indices``: token ``j`` of sequence ``b`` sits at that flat slot of the packed pages), ``-1`` past the
-``min(topk, visible)`` positions it may attend to, and that count as its ``seq_lens``; the per-step part (offsets,
-validity, counts) is built once, each layer adds its indices.
+``min(topk, visible)`` positions it may attend to and up to a width that is a multiple of 4 (the kernel's rule), and
+that count as its ``seq_lens``; the per-step part (offsets, validity, counts) is built once, each layer adds its
+indices.
 
 Continuous batching's paged latent cache is read the same way (`paged`): its rows are packed, and Transformers'
 pages of 32 or 64 rows (or a multiple) give the block tables, gathered from the step's read indices.
@@ -86,7 +87,8 @@ class TrtllmMetadata:
     max_seq_len: int
     counter: torch.Tensor | None  # trtllm-gen only
     fixed: bool = False
-    # sparse layers: (slot offset [B, Sq, 1], selectable [B, Sq, topk]) on the device; seq_lens [B * Sq], per token
+    # sparse layers: (slot offset [B, Sq, 1], selectable [B, Sq, width]) on the device; seq_lens [B * Sq], per token;
+    # max_seq_len: the width of each token's list (its picks, padded to a multiple of 4)
     sparse: tuple | None = None
     page_size: int = PAGE_SIZE  # rows per page of the tables (continuous batching: 32 where its pages hold 32)
 
@@ -135,10 +137,13 @@ def _sparse(backend: str, rows, layer, into) -> TrtllmMetadata:
     if not layer.packed:
         raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
     counts = rows.token_rows(layer.topk).lens  # [B * Sq]
-    selectable = torch.arange(layer.topk, dtype=torch.int32) < counts.view(rows.batch, rows.q_len, 1)
+    # The kernel reads a token's picks 16 bytes at a time: its list is a multiple of 4 wide (FlashInfer checks
+    # `SparseMlaTopK % 4 == 0` in its C++ launcher), and an indexer's list is only `min(index_topk, cached)` wide.
+    width = -(-layer.topk // 4) * 4
+    selectable = torch.arange(width, dtype=torch.int32) < counts.view(rows.batch, rows.q_len, 1)
     offsets = (torch.arange(rows.batch, dtype=torch.int32) * layer.pitch).view(-1, 1, 1).expand(-1, rows.q_len, 1)
     counter = counter_buffer(rows.batch * rows.q_len, layer.heads, layer.device)
-    return TrtllmMetadata(backend, None, to_device(counts, layer.device), layer.topk, counter,
+    return TrtllmMetadata(backend, None, to_device(counts, layer.device), width, counter,
                           sparse=(to_device(offsets.contiguous(), layer.device), to_device(selectable, layer.device)))
 
 
@@ -193,9 +198,11 @@ def run(meta: TrtllmMetadata, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=No
         kernel = {"backend": "auto", "multi_ctas_kv_counter_buffer": meta.counter}
     tables = meta.block_tables
     if layer.topk:
-        offsets, selectable = meta.sparse
-        tables = torch.where(selectable, indices + offsets, -1).to(torch.int32).view(n, 1, -1)  # [B*Sq, 1, topk]
-        kernel["sparse_mla_top_k"] = layer.topk
+        offsets, selectable = meta.sparse  # [B, Sq, 1], [B, Sq, width]
+        if meta.max_seq_len > layer.topk:  # (padded to the kernel's width: the extra picks are never selectable)
+            indices = torch.nn.functional.pad(indices, (0, meta.max_seq_len - layer.topk))
+        tables = torch.where(selectable, indices + offsets, -1).to(torch.int32).view(n, 1, -1)  # [B*Sq, 1, width]
+        kernel["sparse_mla_top_k"] = meta.max_seq_len
     out = trtllm_batch_decode_with_kv_cache_mla(
         query=query,
         kv_cache=packed_pages(kv_latent, k_rot, meta.page_size),
