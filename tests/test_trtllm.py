@@ -84,6 +84,8 @@ class FakeTrtllm:
         lens = seq_lens.tolist()
         assert all(n >= sq for n in lens) and max_seq_len >= max(lens), (lens, max_seq_len)
         assert all(-(-n // page) <= block_tables.shape[1] for n in lens), (lens, block_tables.shape)
+        # FlashInfer 0.7.4 (flashinfer/mla/_utils.py, for backend "auto" and "cute-dsl"): 128 rows' worth of pages.
+        assert block_tables.shape[1] % (128 // page) == 0, f"block_num {block_tables.shape[1]}, block_size {page}"
         assert type(bmm1_scale) is float and type(bmm2_scale) is float and bmm2_scale == 1.0
         counter = multi_ctas_kv_counter_buffer
         eligible = _trtllm_gen_mla_incompatibility_reason(num_heads_q=h, block_size=page) is None
@@ -386,8 +388,11 @@ def test_trtllm_decode_call_contract(monkeypatch, caplog, requested, heads, back
     pitch_pages = layer._buffer.shape[2] // PAGE
     assert call["seq_lens"].tolist() == lens and call["max_seq_len"] == max(lens)
     pages = -(-max(lens) // PAGE)
-    assert call["tables"].tolist() == [[b * pitch_pages + st // PAGE + i for i in range(pages)]
-                                       for b, st in enumerate(starts)]
+    assert call["tables"].shape[1] == max(2, -(-pages // 2) * 2)  # (128 rows' worth of pages: FlashInfer's rule)
+    assert call["tables"][:, :pages].tolist() == [[b * pitch_pages + st // PAGE + i for i in range(pages)]
+                                                  for b, st in enumerate(starts)]
+    assert all(b * pitch_pages <= p < (b + 1) * pitch_pages  # (columns past the rows' pages: their own last page)
+               for b, row in enumerate(call["tables"].tolist()) for p in row)
     assert call["scale"] == 0.1
     ref = mla_attention_reference(q_lat, q_pe, kv_latent, k_rot, mask, 0.1)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
@@ -404,7 +409,7 @@ def test_fake_rejects_what_flashinfer_rejects(monkeypatch, clean_counters, sm_co
     pages = packed_pages(layer.keys, layer.values)
     args = dict(query=torch.zeros(1, 1, 96, ROW), kv_cache=pages, workspace_buffer=torch.zeros(8, dtype=torch.uint8),
                 qk_nope_head_dim=RANK, kv_lora_rank=RANK, qk_rope_head_dim=ROPE,
-                block_tables=torch.zeros(1, 1, dtype=torch.int32), seq_lens=torch.tensor([64], dtype=torch.int32),
+                block_tables=torch.zeros(1, 2, dtype=torch.int32), seq_lens=torch.tensor([64], dtype=torch.int32),
                 max_seq_len=64, bmm1_scale=0.1, bmm2_scale=1.0)
     counter = torch.zeros(get_trtllm_gen_multi_ctas_kv_counter_bytes(1, 96, 148), dtype=torch.uint8)
     with pytest.raises(ValueError, match="trtllm-gen runner"):
@@ -422,8 +427,9 @@ def test_fake_rejects_what_flashinfer_rejects(monkeypatch, clean_counters, sm_co
     split = torch.zeros(1, PAGE, ROW + 8)[..., :ROW]  # rows not adjacent
     bad = [dict(kv_cache=split), dict(bmm1_scale=torch.tensor(0.1)), dict(max_seq_len=torch.tensor(64)),
            dict(seq_lens=torch.tensor([65], dtype=torch.int32), max_seq_len=65),
-           dict(block_tables=torch.zeros(1, 1, dtype=torch.int64)),
-           dict(block_tables=torch.full((1, 1), pages.shape[0], dtype=torch.int32))]  # a page past the cache
+           dict(block_tables=torch.zeros(1, 2, dtype=torch.int64)),
+           dict(block_tables=torch.zeros(1, 1, dtype=torch.int32)),  # not 128 rows' worth of pages
+           dict(block_tables=torch.full((1, 2), pages.shape[0], dtype=torch.int32))]  # a page past the cache
     for change in bad:
         with pytest.raises(AssertionError):
             fake(**{**args, **change}, backend="auto", multi_ctas_kv_counter_buffer=good)
@@ -526,7 +532,13 @@ def _tables(mask: torch.Tensor, pitch_pages: int):
     assert meta.backend == "trtllm-gen" and not meta.fixed
     assert meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32
     assert meta.counter is buffers.held(CPU)["counter"]
-    return meta.block_tables, meta.seq_lens, meta.max_seq_len
+    # FlashInfer's rule for backend "auto": 128 rows' worth of pages (two of 64); columns past the longest row's
+    # pages repeat a page of the row's own (never read). The tables are returned without them.
+    pages = -(-meta.max_seq_len // PAGE)
+    tables = meta.block_tables
+    assert tables.shape[1] == max(2, -(-pages // 2) * 2)
+    assert all(b * pitch_pages <= p < (b + 1) * pitch_pages for b, row in enumerate(tables.tolist()) for p in row)
+    return tables[:, :pages], meta.seq_lens, meta.max_seq_len
 
 
 def _plan_mask(valid: torch.Tensor) -> torch.Tensor:
@@ -659,7 +671,8 @@ def test_block_tables_come_from_the_host_rows_without_reading_the_mask(builds, m
     assert meta.block_tables.device == meta.seq_lens.device == META and meta.max_seq_len == 200
     (tables, to1), (lens, to2) = uploads
     assert to1 == to2 == META and tables.device == lens.device == CPU
-    assert tables.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8], [11, 12, 13, 14]]
+    # (columns past a row's own pages of the cache repeat its last one: never read, and never another row's)
+    assert tables.tolist() == [[0, 1, 2, 3], [5, 6, 7, 7], [11, 11, 11, 11]]
     assert lens.tolist() == [200, 136, 8]
 
 

@@ -93,8 +93,17 @@ class TrtllmMetadata:
     page_size: int = PAGE_SIZE  # rows per page of the tables (continuous batching: 32 where its pages hold 32)
 
 
+def table_width(pages: int, page_size: int = PAGE_SIZE) -> int:
+    """The block tables' width for rows of up to `pages` pages: FlashInfer's MLA decode with ``backend="auto"`` or
+    ``"cute-dsl"`` asks for a multiple of 128 rows' worth of pages (``_check_mla_dense_page_mapping``); the kernel
+    reads only a row's own pages, the rest repeats its last one."""
+    step = 128 // page_size
+    return max(step, -(-pages // step) * step)
+
+
 def _host_tables(rows, layer, pages_per_row: int):
-    """``(block_tables [B, pages_per_row], seq_lens [B])`` on the host for single-run rows starting on a page."""
+    """``(block_tables [B, pages_per_row], seq_lens [B])`` on the host for single-run rows starting on a page; a
+    column past a row's pages repeats its last page of the cache."""
     if not layer.packed:
         raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
     if rows.first is None:
@@ -102,8 +111,9 @@ def _host_tables(rows, layer, pages_per_row: int):
     if bool((rows.first % PAGE_SIZE != 0).any()):
         raise Refused(f"left padding does not start on trtllm-gen's {PAGE_SIZE}-token pages")
     pitch_pages = layer.pitch // PAGE_SIZE
-    base = torch.arange(rows.batch)[:, None] * pitch_pages + (rows.first // PAGE_SIZE)[:, None]
-    return (base + torch.arange(pages_per_row)[None, :]).to(torch.int32), rows.lens.to(torch.int32)
+    start = torch.arange(rows.batch)[:, None] * pitch_pages
+    pages = start + (rows.first // PAGE_SIZE)[:, None] + torch.arange(pages_per_row)[None, :]
+    return torch.minimum(pages, start + pitch_pages - 1).to(torch.int32), rows.lens.to(torch.int32)
 
 
 def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=None) -> TrtllmMetadata:
@@ -121,7 +131,7 @@ def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=
         into.seq_lens.copy_(to_device(lens, layer.device), non_blocking=True)
         return into
     max_len = int(rows.lens.max()) if rows.batch else 0
-    tables, lens = _host_tables(rows, layer, max(1, -(-max_len // PAGE_SIZE)))
+    tables, lens = _host_tables(rows, layer, table_width(-(-max_len // PAGE_SIZE)))
     counter = counter_buffer(rows.batch * rows.q_len, layer.heads, layer.device) if backend == "trtllm-gen" else None
     return TrtllmMetadata(backend, to_device(tables, layer.device), to_device(lens, layer.device), max_len, counter)
 
@@ -161,7 +171,7 @@ def paged(backend: str, layer, lens: torch.Tensor, offsets: torch.Tensor, page_t
         raise Refused(f"continuous batching's pages of {tokens_per_page} tokens are not a multiple of trtllm-gen's "
                       "32 or 64 (ContinuousBatchingConfig(page_size=...))")
     max_len = int(lens.max())
-    token = offsets[:, None] + torch.arange(-(-max_len // size))[None, :] * size
+    token = offsets[:, None] + torch.arange(table_width(-(-max_len // size), size))[None, :] * size
     token = torch.minimum(token, (offsets + lens - 1)[:, None])  # past a request's pages: its last one (unread)
     tables = (page_table[to_device(token, layer.device)] // size).to(torch.int32)
     counter = counter_buffer(lens.numel(), layer.heads, layer.device) if backend == "trtllm-gen" else None
@@ -176,7 +186,7 @@ def fixed(backend: str, layer, batch: int, q_len: int) -> TrtllmMetadata:
         raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
     i32 = dict(dtype=torch.int32, device=layer.device)
     counter = counter_buffer(batch * q_len, layer.heads, layer.device) if backend == "trtllm-gen" else None
-    return TrtllmMetadata(backend, torch.zeros(batch, -(-layer.pitch // PAGE_SIZE), **i32),
+    return TrtllmMetadata(backend, torch.zeros(batch, table_width(-(-layer.pitch // PAGE_SIZE)), **i32),
                           torch.zeros(batch, **i32), layer.pitch, counter, fixed=True)
 
 
