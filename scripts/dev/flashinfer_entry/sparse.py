@@ -17,13 +17,9 @@ import hf_flashinfer_mla
 from conftest import DSA_FAMILIES, VOCAB, decode_logits, eager_alone, left_padded_batch, make_model, rel_err
 from test_trtllm import blackwell, fake_blackwell, SM_COUNT  # noqa: F401
 from fake_flashinfer import fresh_caches
+from harness import counter_bytes
 
 REAL = flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla
-
-
-def counter_bytes(batch, heads, sm):  # C++ getTrtllmGenMultiCtasKvCounterBytes
-    n = max(batch * heads, sm)
-    return (-(-n // 8) * 8) * 4
 
 
 class NativeEmu:
