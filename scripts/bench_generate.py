@@ -3,8 +3,9 @@
 
 For each ``--attn`` and ``--batch``: random prompts of ``--prompt`` tokens, greedy ``generate()`` of ``--new``
 tokens (``min_new_tokens`` pins the length), default cache (``--static``: ``cache_implementation="static"``, which
-compiles the decode step with CUDA graphs). Each configuration runs once as warm-up, then ``--repeats`` times for
-``--new`` tokens and for 1 token; reported (medians):
+compiles the decode step with CUDA graphs; each cell then starts from ``torch.compiler.reset()``, so that neither
+implementation runs beside the other's compiled code). Each configuration runs once as warm-up, then ``--repeats``
+times for ``--new`` tokens and for 1 token; reported (medians):
 
 * ``tok/s``: batch x new tokens / the whole call (prefill included);
 * ``decode tok/s``: batch x (new - 1) / (time for new tokens - time for 1 token), i.e. the decode steps alone.
@@ -61,8 +62,14 @@ def counted_captures():
 
 def run(model, attn, batch, args, device) -> dict:
     rec = {"attn": attn, "batch": batch, "prompt": args.prompt, "new": args.new, "static": args.static,
-           "status": "ok"}
+           "order": args.attn.index(attn), "status": "ok"}
     try:
+        if args.static:
+            # Each cell compiles from a clean slate: with the previous implementation's compiled step still cached,
+            # dynamo keeps two entries for the one compiled call (their guards differ in the attention
+            # implementation) and CUDA-graph trees keep the other's pools, so whichever runs second would pay for
+            # the first (in earlier rounds the second of the two lost 7-10% at batch 1, whichever it was).
+            torch.compiler.reset()
         model.set_attn_implementation(attn)
         gen = torch.Generator().manual_seed(batch)
         ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), generator=gen).to(device)

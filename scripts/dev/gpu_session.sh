@@ -31,6 +31,8 @@
 #                                           # against ab_old/ (alternated: old new old new)
 #   bash scripts/dev/gpu_session.sh genb    # V2-Lite static-cache generate() at batch 1 and 8 (three repeats); the
 #                                           # CUDA-graph target cell
+#   bash scripts/dev/gpu_session.sh genab   # V2-Lite static-cache generate() at batch 1 and 8, each cell compiled
+#                                           # from a clean slate, sdpa first; then batch 1 flashinfer_mla first
 #   bash scripts/dev/gpu_session.sh hostfn  # host per layer against ab_old/, both timed by this revision's
 #                                           # bench_host.py (the attention function alone too), alternated
 set -uo pipefail
@@ -153,6 +155,13 @@ case "$1" in
     run 100 graphs.txt python3 bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
         --steps 10 --time-limit 80 --out "$O" --name decode_graphs_target.json
     for f in generate graphs; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -22; done ;;
+  genab)  # V2-Lite static generate() with each cell compiled from a clean slate, in both orders
+    cd "$ROOT/scripts"
+    run 300 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
+        --attn sdpa flashinfer_mla --repeats 3 --out "$O" --name generate_v2lite_static_sdpa_first.json
+    run 200 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 \
+        --attn flashinfer_mla sdpa --repeats 3 --out "$O" --name generate_v2lite_static_fi_first.json
+    echo "== generate"; grep -v "^  \|Loading\|warn" "$O/generate.txt" | tail -30 ;;
   hostfn)
     HOST_AB_SCRIPTS=new host_ab 45 old new old2 new2
     echo "== host_ab"; grep -v "^  \|Loading\|warn" "$O/host_ab.txt" | tail -40 ;;
