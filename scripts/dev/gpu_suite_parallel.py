@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""The WHOLE ``tests/gpu`` on one GPU in several pytest processes at once, for device calls with little time left.
+
+A session's device time (30 minutes) is the project's scarcest resource, and the whole suite in one process takes
+7.5-8.5 minutes on an H200, most of it torch.compile's inductor and Python on the host, not the GPU. Every test builds
+its own small model (2 layers), so several processes fit on one GPU, and the wall time is bounded by the slowest
+worker instead of the sum.
+
+It collects every test of ``tests/gpu`` (``pytest --collect-only``) and deals them to ``--workers`` processes,
+largest first. The weights come from an earlier run's ``gpu_suite_durations.json`` if one is given, else from a rule
+of thumb: the compiling tests are the heavy ones. Each worker keeps its tests in the suite's order. Its log (with
+``-s``: the tests' measured errors) is merged into ``gpu_suite_workers.txt`` at the end, and its JUnit file is read
+for the report. The report checks that every collected test was reported, so a worker that died or was cut by
+``--timeout`` shows as missing tests, never as a shorter green run. It exits 0 only when nothing failed and nothing
+is missing. On an H200 (2026-12-02), 4 workers ran the suite in 213 s wall, against 453 s in one process.
+
+    python3 scripts/dev/gpu_suite_parallel.py --workers 4 --out "$OUT"        # on the device, after the kit's prefix
+    python3 scripts/dev/gpu_suite_parallel.py --durations benchmarks/.../gpu_suite_durations.json --out "$OUT"
+
+Tests are written to be order-independent (each resets the package's process caches), so a different grouping is
+also a check of that. The multi-GPU tests skip on one GPU, as in the one-process run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HEAVY = ("graphs", "compiled", "static_generate", "reset_frees")  # names of tests that compile with inductor
+
+
+def collect() -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests/gpu"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [line.strip() for line in out.splitlines() if "::" in line]
+
+
+def weight(node: str, known: dict[str, float]) -> float:
+    if node in known:
+        return known[node]
+    name = node.split("::", 1)[1]
+    return 60.0 if any(h in name for h in HEAVY) else 8.0 if "64_steps" in name else 3.0
+
+
+def deal(nodes: list[str], workers: int, known: dict[str, float]) -> list[list[str]]:
+    """Largest first to the least loaded worker; each worker's tests then in the suite's order."""
+    loads, shares = [0.0] * workers, [[] for _ in range(workers)]
+    for node in sorted(nodes, key=lambda n: -weight(n, known)):
+        i = loads.index(min(loads))
+        shares[i].append(node)
+        loads[i] += weight(node, known)
+    order = {n: k for k, n in enumerate(nodes)}
+    return [sorted(s, key=order.__getitem__) for s in shares if s]
+
+
+def node_id(classname: str, name: str) -> str:
+    """A JUnit test case's pytest node id: ``tests.gpu.test_x`` (+ ``.TestClass``) and ``name`` ->
+    ``tests/gpu/test_x.py[::TestClass]::name``."""
+    parts = classname.split(".")
+    for cut in range(len(parts), 0, -1):
+        if (ROOT / pathlib.Path(*parts[:cut])).with_suffix(".py").is_file():
+            return "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], name])
+    return f"{classname}::{name}"
+
+
+def results(xml: pathlib.Path) -> dict[str, tuple[str, float]]:
+    """``node id -> (outcome, seconds)`` from a worker's JUnit file."""
+    found = {}
+    if not xml.exists():
+        return found
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        outcome = next((o for tag, o in (("failure", "failed"), ("error", "error"), ("skipped", "skipped"))
+                        if case.find(tag) is not None), "passed")
+        found[node_id(case.get("classname", ""), case.get("name", ""))] = (outcome, float(case.get("time", 0)))
+    return found
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=420, help="seconds before the workers still running are stopped")
+    p.add_argument("--durations", default=None, help="gpu_suite_durations.json of an earlier run, for the balance")
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_suite_out"))
+    args = p.parse_args(argv)
+    out = pathlib.Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    known = json.loads(pathlib.Path(args.durations).read_text()) if args.durations else {}
+    t0 = time.monotonic()
+    nodes = collect()
+    shares = deal(nodes, args.workers, known)
+    procs = []
+    for i, share in enumerate(shares):
+        log = open(out / f"worker{i}.txt", "w")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s", f"--junitxml={out}/worker{i}.xml",
+               *share]
+        procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = t0 + args.timeout
+    for proc, log in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    wall = time.monotonic() - t0
+    reported: dict[str, tuple[str, float]] = {}
+    for i in range(len(shares)):
+        reported.update(results(out / f"worker{i}.xml"))
+    counts: dict[str, int] = {}
+    for outcome, _ in reported.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    missing = [n for n in nodes if n not in reported]
+    bad = [n for n, (o, _) in reported.items() if o in ("failed", "error")]
+    # One log for all workers, and no JUnit files: a device call brings back at most 8 files.
+    with open(out / "gpu_suite_workers.txt", "w") as merged:
+        for i, share in enumerate(shares):
+            log, xml = out / f"worker{i}.txt", out / f"worker{i}.xml"
+            merged.write(f"== worker {i}: {len(share)} tests\n" + (log.read_text() if log.exists() else "(no log)\n"))
+            log.unlink(missing_ok=True)
+            xml.unlink(missing_ok=True)
+    (out / "gpu_suite_durations.json").write_text(json.dumps({n: s for n, (_, s) in reported.items()}, indent=1))
+    busy = [sum(reported.get(n, ("", 0.0))[1] for n in share) for share in shares]
+    tally = [f"{v} {k}" for k, v in sorted(counts.items())] + [f"{len(missing)} missing"]
+    summary = (f"tests/gpu in {len(shares)} workers: {len(nodes)} collected, {', '.join(tally)}; {wall:.0f} s wall "
+               f"(workers' test time {', '.join(f'{b:.0f}' for b in busy)} s)")
+    print(summary)
+    for n in bad:
+        print(f"FAILED {n}")
+    for n in missing:
+        print(f"MISSING {n}")
+    (out / "gpu_suite_summary.txt").write_text(summary + "\n" + "".join(f"FAILED {n}\n" for n in bad)
+                                                + "".join(f"MISSING {n}\n" for n in missing))
+    return 0 if not bad and not missing else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
