@@ -43,3 +43,21 @@ def test_script_runs_on_cpu(script, args, output, tmp_path, capsys):
     assert "fa3" not in {r.get("backend") for r in ran}
     printed = capsys.readouterr().out
     assert "wrote" in printed
+
+
+def test_parallel_gpu_suite_reports_every_collected_test_and_counts_a_cut_run_as_missing(tmp_path):
+    """``scripts/dev/gpu_suite_parallel.py`` on the CPU, where every GPU test skips: all collected tests are reported
+    (exit 0); with workers stopped before they start, every test is missing and the run fails (exit 1)."""
+    import gpu_suite_parallel as gsp
+
+    assert gsp.main(["--workers", "2", "--out", str(tmp_path / "full")]) == 0
+    summary = (tmp_path / "full" / "gpu_suite_summary.txt").read_text()
+    collected = len(gsp.collect())
+    assert collected > 100 and f"{collected} collected, {collected} skipped, 0 missing" in summary, summary
+    assert sorted(json.loads((tmp_path / "full" / "gpu_suite_durations.json").read_text())) == sorted(gsp.collect())
+    assert (tmp_path / "full" / "gpu_suite_workers.txt").exists()
+    assert not list((tmp_path / "full").glob("worker*"))  # merged: a device call brings back at most 8 files
+
+    assert gsp.main(["--workers", "2", "--timeout", "0", "--out", str(tmp_path / "cut")]) == 1
+    cut = (tmp_path / "cut" / "gpu_suite_summary.txt").read_text()
+    assert f"{collected} missing" in cut and cut.count("MISSING ") == collected, cut

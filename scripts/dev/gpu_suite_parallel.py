@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     deadline = t0 + args.timeout
     for proc, log in procs:
         try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
