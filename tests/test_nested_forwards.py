@@ -287,3 +287,34 @@ def test_successive_generate_calls_match_eager():
         ours = main_generate(model32, ids, mask)
         assert_same_generation(ours, eager_twin(model32, lambda: main_generate(model32, ids, mask)), TOL32)
         assert_batch_matches_eager_alone(model64, main_generate(model64, ids, mask), prompts, NEW_TOKENS, TOL64)
+
+
+# Assisted generation: the assistant is a second model stepped inside generate() (its own cache and masks), and the
+# main model verifies each draft of 4 tokens in one forward of 5 (absorbed: <= 8 tokens).
+ASSISTANTS = {"another-model": ("deepseek_v2", 1), "the-model-itself": None}
+
+
+@pytest.mark.parametrize("assistant", ASSISTANTS)
+def test_assisted_generation_matches_eager(assistant):
+    """``generate(assistant_model=...)`` with both models on flashinfer_mla, against both on eager (float32; batch 1,
+    as Transformers requires). Another model's drafts are rejected, so its cache is cropped and fed again after
+    every verify step. The model as its own assistant runs two caches of one model inside one generate(), and its
+    drafts are accepted. Tokens and every step's logits must be eager's."""
+    main = make_model("deepseek_v3", dtype=torch.float32)
+    spec = ASSISTANTS[assistant]
+    helper = main if spec is None else make_model(spec[0], dtype=torch.float32, seed=spec[1])
+    # (the assistant's own generation config sets its drafts; a fixed 4, drafted whatever its confidence)
+    helper.generation_config.num_assistant_tokens = 4
+    helper.generation_config.num_assistant_tokens_schedule = "constant"
+    helper.generation_config.assistant_confidence_threshold = 0.0
+    _, _, prompts = left_padded_batch(lengths=MAIN_LENGTHS)
+
+    def assisted(prompt):
+        return main.generate(input_ids=prompt[None], max_new_tokens=12, do_sample=False, assistant_model=helper,
+                             output_logits=True, output_scores=True, return_dict_in_generate=True)
+
+    for prompt in prompts:
+        ours = assisted(prompt)
+        ref = eager_twin(main, (lambda: assisted(prompt)) if helper is main
+                         else lambda: eager_twin(helper, lambda: assisted(prompt)))
+        assert_same_generation(ours, ref, TOL32)
