@@ -218,6 +218,55 @@ def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=
     return torch.cat(logits, dim=1)
 
 
+def assisted_generate(main, helper, prompt, new_tokens: int = 12):
+    """``main.generate(assistant_model=helper)`` over one unpadded prompt (Transformers' assisted generation takes
+    batch 1), drafting a fixed 4 tokens whatever the assistant's confidence (set on the assistant's own generation
+    config, where Transformers reads it): the main model verifies them in one forward of 5 tokens."""
+    helper.generation_config.num_assistant_tokens = 4
+    helper.generation_config.num_assistant_tokens_schedule = "constant"
+    helper.generation_config.assistant_confidence_threshold = 0.0
+    return main.generate(input_ids=prompt[None], max_new_tokens=new_tokens, do_sample=False, assistant_model=helper,
+                         output_logits=True, output_scores=True, return_dict_in_generate=True)
+
+
+# What `chained_generate` appends before each continuation: three tokens per row; tokens of different lengths per
+# row, padded where they join the history (holes in the 2D mask); one token.
+CHAINED_APPENDS = [
+    (torch.tensor([[11, 12, 13], [14, 15, 16], [17, 18, 19]]), torch.ones(3, 3, dtype=torch.long)),
+    (torch.tensor([[0, 0, 5], [0, 7, 8], [9, 10, 11]]), torch.tensor([[0, 0, 1], [0, 1, 1], [1, 1, 1]])),
+    (torch.tensor([[3], [4], [5]]), torch.ones(3, 1, dtype=torch.long)),
+]
+
+
+def chained_generate(model, ids, mask, new_tokens: int = 4) -> list:
+    """generate() over a batch of 3, then once more per `CHAINED_APPENDS` entry, each call continuing the previous
+    call's cache with its sequences and the appended tokens; every call's output (logits included)."""
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    calls, mask = [out], torch.cat([mask, torch.ones(3, new_tokens, dtype=torch.long)], -1)
+    for tokens, tokens_mask in CHAINED_APPENDS:
+        mask = torch.cat([mask, tokens_mask], -1)
+        out = model.generate(input_ids=torch.cat([out.sequences, tokens], -1), attention_mask=mask, cache=out.cache,
+                             max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        calls.append(out)
+        mask = torch.cat([mask, torch.ones(3, new_tokens, dtype=torch.long)], -1)
+    return calls
+
+
+def eos_generate(model, ids, mask, eos: int, cache_implementation: str = "dynamic", new_tokens: int = 10):
+    """Greedy generate() that stops each row at `eos` (padding it with 0 while the others go on), logits included."""
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                          cache_implementation=cache_implementation, disable_compile=True)
+
+
+def early_eos(model, ids, mask) -> int:
+    """The token row 1 of ``left_padded_batch(lengths=(7, 4, 9))`` generates third (greedy): as `eos_generate`'s
+    eos, that row stops early and row 0 runs to the end (for the test models' seeds)."""
+    return int(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)[1, -1])
+
+
 def additive_mask(attention_mask: torch.Tensor, q_len: int, kind: str = "alibi", dtype=torch.float64) -> torch.Tensor:
     """A 4D float mask ``[B, 1, q_len, S]`` for a step of the last `q_len` tokens of the 2D `attention_mask`
     ``[B, S]``, hiding the future and its zeros: "alibi" adds -0.5 per position of distance to what it shows and

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
-    VOCAB, assert_batch_matches_eager_alone, decode_logits, eager_alone, kv_b_proj_rows, left_padded_batch,
-    make_model, mla_layers, rel_err,
+    VOCAB, assert_batch_matches_eager_alone, chained_generate, decode_logits, eager_alone, early_eos, eos_generate,
+    kv_b_proj_rows, left_padded_batch, make_model, mla_layers, rel_err,
 )
 from transformers import DynamicCache, StaticCache
 
@@ -135,17 +135,11 @@ def test_rows_finishing_early_at_eos_match_eager(cache_implementation):
     that row finishes early and is padded while the others decode on (float32, batched eager is exact there)."""
     model = make_model("deepseek_v3", dtype=torch.float32)
     ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
-    runs = {}
-    for attn in ("eager", "flashinfer_mla"):
-        model.set_attn_implementation(attn)
-        if attn == "eager":
-            free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-            eos = int(free[1, ids.shape[1] + 2])
-        runs[attn] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                                    eos_token_id=eos, pad_token_id=0, output_logits=True,
-                                    return_dict_in_generate=True, cache_implementation=cache_implementation,
-                                    disable_compile=True)
-    ours, ref = runs["flashinfer_mla"], runs["eager"]
+    model.set_attn_implementation("eager")
+    eos = early_eos(model, ids, mask)
+    ref = eos_generate(model, ids, mask, eos, cache_implementation)
+    model.set_attn_implementation("flashinfer_mla")
+    ours = eos_generate(model, ids, mask, eos, cache_implementation)
     new = ref.sequences[:, ids.shape[1]:]
     assert (new[1, 2] == eos) and bool((new[1, 3:] == 0).all()) and not bool((new[0] == eos).any()), new.tolist()
     assert torch.equal(ours.sequences, ref.sequences)
@@ -154,33 +148,18 @@ def test_rows_finishing_early_at_eos_match_eager(cache_implementation):
 
 
 def test_generate_continued_over_its_cache_with_new_tokens_and_holes_matches_eager():
-    """Four chained generate() calls on one left-padded batch, each continuing the previous call's cache: with three
-    new tokens per row; with new tokens of different lengths per row, padded where they join the history (holes in
-    the 2D mask, which the step's rows then carry); with one new token. Batched eager in float32 is the oracle."""
+    """Four chained generate() calls on one left-padded batch, each continuing the previous call's cache
+    (`conftest.chained_generate`): with three new tokens per row; with new tokens of different lengths per row,
+    padded where they join the history (holes in the 2D mask, which the step's rows then carry); with one new token.
+    Batched eager in float32 is the oracle."""
     model = make_model("deepseek_v3", dtype=torch.float32)
     ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
-    appended = [  # (tokens, their mask) added before each continuation
-        (torch.tensor([[11, 12, 13], [14, 15, 16], [17, 18, 19]]), torch.ones(3, 3, dtype=torch.long)),
-        (torch.tensor([[0, 0, 5], [0, 7, 8], [9, 10, 11]]), torch.tensor([[0, 0, 1], [0, 1, 1], [1, 1, 1]])),
-        (torch.tensor([[3], [4], [5]]), torch.ones(3, 1, dtype=torch.long)),
-    ]
-    runs = {}
-    for attn in ("eager", "flashinfer_mla"):
-        model.set_attn_implementation(attn)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-        calls, msk = [out], torch.cat([mask, torch.ones(3, 4, dtype=torch.long)], -1)
-        for tokens, tokens_mask in appended:
-            msk = torch.cat([msk, tokens_mask], -1)
-            out = model.generate(input_ids=torch.cat([out.sequences, tokens], -1), attention_mask=msk,
-                                 cache=out.cache, max_new_tokens=4, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
-            calls.append(out)
-            msk = torch.cat([msk, torch.ones(3, 4, dtype=torch.long)], -1)
-        runs[attn] = calls
-    for i, (ours, ref) in enumerate(zip(runs["flashinfer_mla"], runs["eager"])):
-        assert torch.equal(ours.sequences, ref.sequences), i
-        assert rel_err(torch.stack(ours.logits), torch.stack(ref.logits)) < 1e-5, i
+    model.set_attn_implementation("eager")
+    ref = chained_generate(model, ids, mask)
+    model.set_attn_implementation("flashinfer_mla")
+    for i, (ours, theirs) in enumerate(zip(chained_generate(model, ids, mask), ref)):
+        assert torch.equal(ours.sequences, theirs.sequences), i
+        assert rel_err(torch.stack(ours.logits), torch.stack(theirs.logits)) < 1e-5, i
 
 
 def test_beam_search_and_sampling_match_eager():

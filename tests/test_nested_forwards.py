@@ -23,8 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
-    VOCAB, additive_mask, assert_batch_matches_eager_alone, decode_logits, generate_alone_with_eager,
-    left_padded_batch, make_model, rel_err, with_4d_masks,
+    VOCAB, additive_mask, assert_batch_matches_eager_alone, assisted_generate, decode_logits,
+    generate_alone_with_eager, left_padded_batch, make_model, rel_err, with_4d_masks,
 )
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
@@ -303,18 +303,9 @@ def test_assisted_generation_matches_eager(assistant):
     main = make_model("deepseek_v3", dtype=torch.float32)
     spec = ASSISTANTS[assistant]
     helper = main if spec is None else make_model(spec[0], dtype=torch.float32, seed=spec[1])
-    # (the assistant's own generation config sets its drafts; a fixed 4, drafted whatever its confidence)
-    helper.generation_config.num_assistant_tokens = 4
-    helper.generation_config.num_assistant_tokens_schedule = "constant"
-    helper.generation_config.assistant_confidence_threshold = 0.0
     _, _, prompts = left_padded_batch(lengths=MAIN_LENGTHS)
-
-    def assisted(prompt):
-        return main.generate(input_ids=prompt[None], max_new_tokens=12, do_sample=False, assistant_model=helper,
-                             output_logits=True, output_scores=True, return_dict_in_generate=True)
-
     for prompt in prompts:
-        ours = assisted(prompt)
-        ref = eager_twin(main, (lambda: assisted(prompt)) if helper is main
-                         else lambda: eager_twin(helper, lambda: assisted(prompt)))
+        ours = assisted_generate(main, helper, prompt)
+        ref = eager_twin(main, (lambda: assisted_generate(main, helper, prompt)) if helper is main
+                         else lambda: eager_twin(helper, lambda: assisted_generate(main, helper, prompt)))
         assert_same_generation(ours, ref, TOL32)

@@ -16,8 +16,12 @@ import torch
 from conftest import (
     VOCAB,
     assert_batch_matches_eager_alone,
+    assisted_generate,
+    chained_generate,
     decode_logits,
     eager_alone,
+    early_eos,
+    eos_generate,
     left_padded_batch,
     make_model,
     package_warnings,
@@ -34,7 +38,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from hf_flashinfer_mla import MLALatentCache, buffers, masks, plan
+from hf_flashinfer_mla import ENV_VAR, MLALatentCache, buffers, masks, plan
 from hf_flashinfer_mla.kernels import Layer, fa, graphs, reference
 from hf_flashinfer_mla.masks import host_rows
 from hf_flashinfer_mla.plan import StepPlan, attach_plan, plan_of, step_plan
@@ -313,6 +317,42 @@ def test_guidance_forward_is_planned_from_its_own_mask(fake_hopper, monkeypatch)
     fa3 = fake_hopper.modules["fa3"]
     assert sorted(p["kv_len"].tolist() for p in fa3.plans) == sorted(main + guided)
     assert fa3.runs == 6 * model.config.num_hidden_layers
+
+
+def _generation_mode(mode: str) -> list:
+    """One process's generate() calls in `mode`, on fresh float64 models (the stand-in's dtype): their outputs."""
+    model = make_model("deepseek_v3")
+    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
+    if mode.startswith("assisted"):
+        helper = model if mode == "assisted-self" else make_model("deepseek_v2", seed=1)
+        return [assisted_generate(model, helper, p) for p in prompts]
+    if mode == "chained-holes":
+        return chained_generate(model, ids, mask)
+    cache_implementation = mode.removeprefix("eos-")
+    return [eos_generate(model, ids, mask, early_eos(model, ids, mask), cache_implementation)]
+
+
+@pytest.mark.parametrize("mode", ["assisted-other", "assisted-self", "eos-dynamic", "eos-static", "chained-holes"])
+def test_generation_modes_on_the_kernel_match_the_reference(fake_hopper, monkeypatch, mode):
+    """Assisted generation (another model, or the model as its own assistant: cropped caches, 5-token verify steps),
+    rows that stop early at eos, and chained calls over one cache with holes in the mask, run on the fa3 stand-in,
+    against the same calls on the reference backend. The stand-in attends over the rows it was *planned* with (read
+    back from its workspace), where the reference reads the step's live mask, so wrong rows show here and in no
+    comparison with eager on the CPU. Each mode reaches its own source of rows: assisted steps come without a 2D
+    mask (rows from the cache's length), eos steps from generate()'s grown masks (`GrowingMask`, planned ahead), the
+    chained calls' holes from the mask itself (`Rows.from_mask`); a fault of one row in each source fails its modes.
+    (Against eager: ``test_models.py``, ``test_nested_forwards.py``.)"""
+    ours = _generation_mode(mode)
+    fa3 = fake_hopper.modules["fa3"]
+    runs = fa3.runs
+    assert runs > 0
+    monkeypatch.setenv(ENV_VAR, "reference")
+    ref = _generation_mode(mode)
+    assert fa3.runs == runs  # the second pass ran the reference only
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert torch.equal(a.sequences, b.sequences), i
+        assert rel_err(torch.stack(a.logits), torch.stack(b.logits)) < TOL, i
 
 
 # ------------------------------------------------------------------------------------------ freed without gc
