@@ -319,6 +319,14 @@ def test_guidance_forward_is_planned_from_its_own_mask(fake_hopper, monkeypatch)
     assert fa3.runs == 6 * model.config.num_hidden_layers
 
 
+OTHER_MODES = {
+    "beams": dict(num_beams=3, num_return_sequences=2, do_sample=False),  # cache reordered every step
+    "sampling": dict(do_sample=True, top_k=20, num_return_sequences=2),  # the batch repeated per sequence
+    "guidance": dict(do_sample=False, guidance_scale=1.5,  # a second forward per step, over a mask of its own
+                     negative_prompt_ids=torch.randint(1, VOCAB, (3, 8), generator=torch.Generator().manual_seed(5))),
+}
+
+
 def _generation_mode(mode: str) -> list:
     """One process's generate() calls in `mode`, on fresh float64 models (the stand-in's dtype): their outputs."""
     model = make_model("deepseek_v3")
@@ -328,14 +336,20 @@ def _generation_mode(mode: str) -> list:
         return [assisted_generate(model, helper, p) for p in prompts]
     if mode == "chained-holes":
         return chained_generate(model, ids, mask)
+    if mode in OTHER_MODES:
+        torch.manual_seed(0)  # (sampling draws the same tokens in both runs)
+        return [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_logits=True,
+                               return_dict_in_generate=True, **OTHER_MODES[mode])]
     cache_implementation = mode.removeprefix("eos-")
     return [eos_generate(model, ids, mask, early_eos(model, ids, mask), cache_implementation)]
 
 
-@pytest.mark.parametrize("mode", ["assisted-other", "assisted-self", "eos-dynamic", "eos-static", "chained-holes"])
+@pytest.mark.parametrize("mode", ["assisted-other", "assisted-self", "eos-dynamic", "eos-static", "chained-holes",
+                                  *OTHER_MODES])
 def test_generation_modes_on_the_kernel_match_the_reference(fake_hopper, monkeypatch, mode):
     """Assisted generation (another model, or the model as its own assistant: cropped caches, 5-token verify steps),
-    rows that stop early at eos, and chained calls over one cache with holes in the mask, run on the fa3 stand-in,
+    rows that stop early at eos, chained calls over one cache with holes in the mask, beam search, sampling several
+    sequences per prompt and classifier-free guidance with a negative prompt, run on the fa3 stand-in,
     against the same calls on the reference backend. The stand-in attends over the rows it was *planned* with (read
     back from its workspace), where the reference reads the step's live mask, so wrong rows show here and in no
     comparison with eager on the CPU. Each mode reaches its own source of rows: assisted steps come without a 2D
