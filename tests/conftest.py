@@ -267,6 +267,48 @@ def early_eos(model, ids, mask) -> int:
     return int(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)[1, -1])
 
 
+# Generation modes whose steps get their rows from every source the package has (`generation_mode`): assisted
+# steps come without a 2D mask; eos, beams, sampling and guidance's main steps from generate()'s grown masks; the
+# chained calls' holes and guidance's own forward from their masks.
+GENERATION_MODES = ("assisted-other", "assisted-self", "eos-dynamic", "eos-static", "chained-holes", "beams",
+                    "sampling", "guidance")
+_BATCH_MODES = {
+    "beams": dict(num_beams=3, num_return_sequences=2, do_sample=False),  # the cache reordered every step
+    "sampling": dict(do_sample=True, top_k=20, num_return_sequences=2),  # the batch repeated per sequence
+    "guidance": dict(do_sample=False, guidance_scale=1.5),  # a second forward per step, over a negative prompt
+}
+
+
+def generation_mode(mode: str, lengths=(7, 4, 9)) -> list:
+    """One process's generate() calls in `mode` (`GENERATION_MODES`), on fresh float64 models (the kernel
+    stand-ins' dtype) and a left-padded batch of prompts of `lengths`: their outputs, logits included. The eos and
+    chained modes take the default lengths."""
+    model = make_model("deepseek_v3")
+    ids, mask, prompts = left_padded_batch(lengths=lengths)
+    if mode.startswith("assisted"):
+        helper = model if mode == "assisted-self" else make_model("deepseek_v2", seed=1)
+        return [assisted_generate(model, helper, p) for p in prompts]
+    if mode == "chained-holes":
+        return chained_generate(model, ids, mask)
+    if mode.startswith("eos-"):
+        return [eos_generate(model, ids, mask, early_eos(model, ids, mask), mode.removeprefix("eos-"))]
+    extra = {}
+    if mode == "guidance":
+        extra["negative_prompt_ids"] = torch.randint(1, VOCAB, (len(lengths), 8),
+                                                     generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)  # (sampling draws the same tokens in every run)
+    return [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_logits=True,
+                           return_dict_in_generate=True, **_BATCH_MODES[mode], **extra)]
+
+
+def assert_same_outputs(ours: list, ref: list, tol: float) -> None:
+    """Two runs of `generation_mode` agree: every call's tokens exactly, its logits to `tol`."""
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert torch.equal(a.sequences, b.sequences), i
+        assert rel_err(torch.stack(a.logits), torch.stack(b.logits)) < tol, i
+
+
 def additive_mask(attention_mask: torch.Tensor, q_len: int, kind: str = "alibi", dtype=torch.float64) -> torch.Tensor:
     """A 4D float mask ``[B, 1, q_len, S]`` for a step of the last `q_len` tokens of the 2D `attention_mask`
     ``[B, S]``, hiding the future and its zeros: "alibi" adds -0.5 per position of distance to what it shows and

@@ -16,12 +16,11 @@ import torch
 from conftest import (
     VOCAB,
     assert_batch_matches_eager_alone,
-    assisted_generate,
-    chained_generate,
     decode_logits,
+    GENERATION_MODES,
+    assert_same_outputs,
     eager_alone,
-    early_eos,
-    eos_generate,
+    generation_mode,
     left_padded_batch,
     make_model,
     package_warnings,
@@ -319,33 +318,7 @@ def test_guidance_forward_is_planned_from_its_own_mask(fake_hopper, monkeypatch)
     assert fa3.runs == 6 * model.config.num_hidden_layers
 
 
-OTHER_MODES = {
-    "beams": dict(num_beams=3, num_return_sequences=2, do_sample=False),  # cache reordered every step
-    "sampling": dict(do_sample=True, top_k=20, num_return_sequences=2),  # the batch repeated per sequence
-    "guidance": dict(do_sample=False, guidance_scale=1.5,  # a second forward per step, over a mask of its own
-                     negative_prompt_ids=torch.randint(1, VOCAB, (3, 8), generator=torch.Generator().manual_seed(5))),
-}
-
-
-def _generation_mode(mode: str) -> list:
-    """One process's generate() calls in `mode`, on fresh float64 models (the stand-in's dtype): their outputs."""
-    model = make_model("deepseek_v3")
-    ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
-    if mode.startswith("assisted"):
-        helper = model if mode == "assisted-self" else make_model("deepseek_v2", seed=1)
-        return [assisted_generate(model, helper, p) for p in prompts]
-    if mode == "chained-holes":
-        return chained_generate(model, ids, mask)
-    if mode in OTHER_MODES:
-        torch.manual_seed(0)  # (sampling draws the same tokens in both runs)
-        return [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_logits=True,
-                               return_dict_in_generate=True, **OTHER_MODES[mode])]
-    cache_implementation = mode.removeprefix("eos-")
-    return [eos_generate(model, ids, mask, early_eos(model, ids, mask), cache_implementation)]
-
-
-@pytest.mark.parametrize("mode", ["assisted-other", "assisted-self", "eos-dynamic", "eos-static", "chained-holes",
-                                  *OTHER_MODES])
+@pytest.mark.parametrize("mode", GENERATION_MODES)
 def test_generation_modes_on_the_kernel_match_the_reference(fake_hopper, monkeypatch, mode):
     """Assisted generation (another model, or the model as its own assistant: cropped caches, 5-token verify steps),
     rows that stop early at eos, chained calls over one cache with holes in the mask, beam search, sampling several
@@ -356,17 +329,14 @@ def test_generation_modes_on_the_kernel_match_the_reference(fake_hopper, monkeyp
     mask (rows from the cache's length), eos steps from generate()'s grown masks (`GrowingMask`, planned ahead), the
     chained calls' holes from the mask itself (`Rows.from_mask`); a fault of one row in each source fails its modes.
     (Against eager: ``test_models.py``, ``test_nested_forwards.py``.)"""
-    ours = _generation_mode(mode)
+    ours = generation_mode(mode)
     fa3 = fake_hopper.modules["fa3"]
     runs = fa3.runs
     assert runs > 0
     monkeypatch.setenv(ENV_VAR, "reference")
-    ref = _generation_mode(mode)
+    ref = generation_mode(mode)
     assert fa3.runs == runs  # the second pass ran the reference only
-    assert len(ours) == len(ref)
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        assert torch.equal(a.sequences, b.sequences), i
-        assert rel_err(torch.stack(a.logits), torch.stack(b.logits)) < TOL, i
+    assert_same_outputs(ours, ref, TOL)
 
 
 # ------------------------------------------------------------------------------------------ freed without gc

@@ -18,7 +18,10 @@ import pytest
 pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
-from conftest import assert_batch_matches_eager_alone, left_padded_batch, make_model, package_warnings
+from conftest import (
+    assert_batch_matches_eager_alone, assert_same_outputs, generation_mode, left_padded_batch, make_model,
+    package_warnings,
+)
 from fake_flashinfer import fake_hopper, fresh_caches  # noqa: F401  (fixture)
 from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import _trtllm_gen_mla_incompatibility_reason
 from flashinfer.utils import _resolve_trtllm_gen_multi_ctas_kv_counter_buffer, get_trtllm_gen_multi_ctas_kv_counter_bytes
@@ -773,3 +776,21 @@ def test_prefill_chunks_inside_left_padding_run_on_the_reference(request, caplog
     assert len(warned) == 1, package_warnings(caplog)
     runs = len(kernel.calls) if fixture == "fake_blackwell" else kernel.modules["fa3"].runs
     assert runs > 0  # the other steps ran on the kernel
+
+
+@pytest.mark.parametrize("mode", ["assisted-other", "assisted-self", "beams", "sampling", "guidance"])
+def test_generation_modes_on_trtllm_gen_match_the_reference(fake_blackwell, monkeypatch, mode):
+    """``conftest.generation_mode`` on the trtllm-gen stand-in against the same calls on the reference backend, with
+    prompts of 70 and 6 tokens: left padding 0 and 64, on trtllm-gen's pages, so the padded batches' decode steps run
+    the kernel too. The stand-in attends through the block tables and lengths it is given, where the reference reads
+    the step's mask: cropped caches and 5-token verify steps (assisted), reordered caches (beams), repeated batches
+    (sampling) and the main steps next to guidance's forward must all reach it with the right rows. (Guidance's own
+    forward runs on the reference, with one warning: Transformers' guidance processor gives it a plain
+    `DynamicCache`, which does not store the latent packed as trtllm-gen reads it.)"""
+    ours = generation_mode(mode, lengths=(70, 6))
+    calls = len(fake_blackwell.calls)
+    assert calls > 0 and {c["backend"] for c in fake_blackwell.calls} == {"auto"}  # (trtllm-gen, as FlashInfer picks it)
+    monkeypatch.setenv(hf_flashinfer_mla.ENV_VAR, "reference")
+    ref = generation_mode(mode, lengths=(70, 6))
+    assert len(fake_blackwell.calls) == calls  # the second pass ran the reference only
+    assert_same_outputs(ours, ref, 1e-6)
