@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging
 
@@ -267,11 +268,44 @@ def early_eos(model, ids, mask) -> int:
     return int(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)[1, -1])
 
 
+class SecondModelStepper(LogitsProcessor):
+    """Steps another model over its own left-padded batch, one forward per call: the prefill at the first call,
+    then one greedy token per call, with its own DynamicCache and its own growing 2D mask. Records that model's
+    last-token logits and returns the scores unchanged (so it must not change the main generation at all)."""
+
+    def __init__(self, model, ids, mask, four_d: bool = False):
+        self.model, self.ids, self.mask, self.four_d = model, ids, mask, four_d
+        self.cache = DynamicCache(config=model.config)
+        self.logits: list[torch.Tensor] = []
+
+    def step(self) -> None:
+        mask = None
+        if not self.logits:
+            ids, pos = self.ids, (self.mask.cumsum(-1) - 1).clamp(min=0)
+        else:
+            ids = self.logits[-1].argmax(-1, keepdim=True)
+            pos = self.mask.sum(-1, keepdim=True)
+            self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=-1)
+            # (`four_d`: decode steps get a 4D float mask of the user's own, as eager's masks are)
+            mask = additive_mask(self.mask, 1, "plain", torch.float32) if self.four_d else None
+        out = self.model(input_ids=ids, attention_mask=self.mask if mask is None else mask, position_ids=pos,
+                         cache=self.cache, use_cache=True)
+        self.logits.append(out.logits[:, -1])
+
+    def __call__(self, input_ids, scores):
+        self.step()
+        return scores
+
+    def recorded(self) -> torch.Tensor:
+        return torch.stack(self.logits, dim=1)  # [B, steps, V]
+
+
 # Generation modes whose steps get their rows from every source the package has (`generation_mode`): assisted
-# steps come without a 2D mask; eos, beams, sampling and guidance's main steps from generate()'s grown masks; the
-# chained calls' holes and guidance's own forward from their masks.
+# steps come without a 2D mask; eos, beams, sampling and the main steps of guidance and of a second model's
+# generate() from generate()'s grown masks; the chained calls' holes, guidance's own forward and the second model's
+# loop (`SecondModelStepper`, a logits processor) from their masks.
 GENERATION_MODES = ("assisted-other", "assisted-self", "eos-dynamic", "eos-static", "chained-holes", "beams",
-                    "sampling", "guidance")
+                    "sampling", "guidance", "second-model")
 _BATCH_MODES = {
     "beams": dict(num_beams=3, num_return_sequences=2, do_sample=False),  # the cache reordered every step
     "sampling": dict(do_sample=True, top_k=20, num_return_sequences=2),  # the batch repeated per sequence
@@ -292,6 +326,13 @@ def generation_mode(mode: str, lengths=(7, 4, 9)) -> list:
         return chained_generate(model, ids, mask)
     if mode.startswith("eos-"):
         return [eos_generate(model, ids, mask, early_eos(model, ids, mask), mode.removeprefix("eos-"))]
+    if mode == "second-model":  # another model stepped over its own padded batch by a logits processor
+        ids2, mask2, _ = left_padded_batch(seed=4, lengths=(5, 8, 2))
+        stepper = SecondModelStepper(make_model("deepseek_v2", seed=1), ids2, mask2)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, logits_processor=LogitsProcessorList([stepper]))
+        stepped = SimpleNamespace(sequences=stepper.recorded().argmax(-1), logits=stepper.logits)
+        return [out, stepped]
     extra = {}
     if mode == "guidance":
         extra["negative_prompt_ids"] = torch.randint(1, VOCAB, (len(lengths), 8),

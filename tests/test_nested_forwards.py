@@ -23,10 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
-    VOCAB, additive_mask, assert_batch_matches_eager_alone, assisted_generate, decode_logits,
+    VOCAB, SecondModelStepper, additive_mask, assert_batch_matches_eager_alone, assisted_generate, decode_logits,
     generate_alone_with_eager, left_padded_batch, make_model, rel_err, with_4d_masks,
 )
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessorList
 
 NEW_TOKENS = 6
 TOL32 = 1e-5  # batched flashinfer_mla vs batched eager, float32
@@ -122,38 +122,6 @@ def test_guidance_matches_eager_alone_float64(model_type, unconditional):
 
 
 # ------------------------------------------------------------------ a second model stepped by a logits processor
-class SecondModelStepper(LogitsProcessor):
-    """Steps another model over its own left-padded batch, one forward per call: the prefill at the first call,
-    then one greedy token per call, with its own DynamicCache and its own growing 2D mask. Records that model's
-    last-token logits and returns the scores unchanged (so it must not change the main generation at all)."""
-
-    def __init__(self, model, ids, mask, four_d: bool = False):
-        self.model, self.ids, self.mask, self.four_d = model, ids, mask, four_d
-        self.cache = DynamicCache(config=model.config)
-        self.logits: list[torch.Tensor] = []
-
-    def step(self) -> None:
-        mask = None
-        if not self.logits:
-            ids, pos = self.ids, (self.mask.cumsum(-1) - 1).clamp(min=0)
-        else:
-            ids = self.logits[-1].argmax(-1, keepdim=True)
-            pos = self.mask.sum(-1, keepdim=True)
-            self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=-1)
-            # (`four_d`: decode steps get a 4D float mask of the user's own, as eager's masks are)
-            mask = additive_mask(self.mask, 1, "plain", torch.float32) if self.four_d else None
-        out = self.model(input_ids=ids, attention_mask=self.mask if mask is None else mask, position_ids=pos,
-                         cache=self.cache, use_cache=True)
-        self.logits.append(out.logits[:, -1])
-
-    def __call__(self, input_ids, scores):
-        self.step()
-        return scores
-
-    def recorded(self) -> torch.Tensor:
-        return torch.stack(self.logits, dim=1)  # [B, steps, V]
-
-
 def stepped_alone(model, ids, mask, steps: int, four_d: bool = False) -> torch.Tensor:
     stepper = SecondModelStepper(model, ids, mask, four_d)
     with torch.no_grad():

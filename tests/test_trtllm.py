@@ -778,18 +778,19 @@ def test_prefill_chunks_inside_left_padding_run_on_the_reference(request, caplog
     assert runs > 0  # the other steps ran on the kernel
 
 
-@pytest.mark.parametrize("mode", ["assisted-other", "assisted-self", "beams", "sampling", "guidance"])
+@pytest.mark.parametrize("mode", ["assisted-other", "assisted-self", "beams", "sampling", "guidance", "second-model"])
 def test_generation_modes_on_trtllm_gen_match_the_reference(fake_blackwell, monkeypatch, mode):
     """``conftest.generation_mode`` on the trtllm-gen stand-in against the same calls on the reference backend, with
     prompts of 70 and 6 tokens: left padding 0 and 64, on trtllm-gen's pages, so the padded batches' decode steps run
     the kernel too. The stand-in attends through the block tables and lengths it is given, where the reference reads
     the step's mask: cropped caches and 5-token verify steps (assisted), reordered caches (beams), repeated batches
-    (sampling) and the main steps next to guidance's forward must all reach it with the right rows. (Guidance's own
-    forward runs on the reference, with one warning: Transformers' guidance processor gives it a plain
-    `DynamicCache`, which does not store the latent packed as trtllm-gen reads it.)"""
+    (sampling) and the main steps next to guidance's forward or a second model's loop must all reach it with the right
+    rows. (Guidance's own forward and the second model's loop run on the reference, with one warning: Transformers'
+    guidance processor and the loop give them a plain `DynamicCache`, which does not store the latent packed as
+    trtllm-gen reads it.)"""
     ours = generation_mode(mode, lengths=(70, 6))
     calls = len(fake_blackwell.calls)
-    assert calls > 0 and {c["backend"] for c in fake_blackwell.calls} == {"auto"}  # (trtllm-gen, as FlashInfer picks it)
+    assert calls > 0 and {c["backend"] for c in fake_blackwell.calls} == {"auto"}  # (trtllm-gen, as FlashInfer picks)
     monkeypatch.setenv(hf_flashinfer_mla.ENV_VAR, "reference")
     ref = generation_mode(mode, lengths=(70, 6))
     assert len(fake_blackwell.calls) == calls  # the second pass ran the reference only
