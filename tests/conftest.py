@@ -316,7 +316,7 @@ _BATCH_MODES = {
 def generation_mode(mode: str, lengths=(7, 4, 9)) -> list:
     """One process's generate() calls in `mode` (`GENERATION_MODES`), on fresh float64 models (the kernel
     stand-ins' dtype) and a left-padded batch of prompts of `lengths`: their outputs, logits included. The eos and
-    chained modes take the default lengths."""
+    chained modes need the default lengths (a batch of 3, whose row 1 stops early at `early_eos`)."""
     model = make_model("deepseek_v3")
     ids, mask, prompts = left_padded_batch(lengths=lengths)
     if mode.startswith("assisted"):
