@@ -13,8 +13,9 @@ The layout is chosen for the kernel that will read it, from the device, at the f
 * packed (Blackwell, SM100/SM103): both in one ``[batch, 1, capacity, kv_lora_rank + rope]`` buffer, the paged
   layout trtllm-gen reads (``trtllm.packed_pages``); the capacity is kept a multiple of its page size.
 
-``generate()`` uses it automatically for ``flashinfer_mla`` models (``registration.py`` swaps the full-attention
-layers of the default `DynamicCache`); `MLALatentCache` is the same thing to pass explicitly as ``cache=``.
+Every ``DynamicCache(config=...)`` built for a ``flashinfer_mla`` model uses it (``registration.py`` swaps its
+full-attention layers): the one ``generate()`` builds, the one the model's forward builds when called without a
+cache, one of the user's own. `MLALatentCache` is the same thing with options (layout, FP8), to pass as ``cache=``.
 
 FP8 latent (``MLALatentCache(config, dtype=torch.float8_e4m3fn)``): the latent and the rotary key are stored as
 ``float8_e4m3fn`` with one scale each per layer (``stored = value / scale``), half the bytes of bf16, so twice the

@@ -1,5 +1,5 @@
 """Registration with Transformers: the attention function, its mask function, the load-time model check, the
-``mla_backend`` options, and ``generate()``'s default cache.
+``mla_backend`` options, and the latent layers of the caches built for the model.
 
 Transformers looks attention implementations up by name in two registries: ``AttentionInterface`` (the function
 each attention module calls) and ``AttentionMaskInterface`` (the function that builds the step's mask). A name
@@ -16,7 +16,8 @@ for sub-models (``{"text_config": "flashinfer_mla"}``), gets the same check.
 A forced backend is a runtime setting (``capabilities.py``): ``from_pretrained``/``from_config`` take ``mla_backend=``,
 validate it at the call and keep it on the loaded model's config under a private name that ``to_dict`` (and so
 ``save_pretrained``) drops; ``generate()`` validates its ``mla_backend=`` where it validates every other keyword.
-``generate()``'s default cache gets this package's latent layers.
+A ``DynamicCache`` built from the model's config (by ``generate()``, by the model's forward, by the user) gets this
+package's latent layers, and on Blackwell ``generate()``'s static cache gets packed ones.
 
 Two patches let a decode step inside ``generate()`` know its rows without a device sync: generate()'s mask update
 hands each 2D mask's `rows.GrowingMask` on to the next, wider mask (and plans the next step there, while the GPU
@@ -148,23 +149,35 @@ def _validated_generate_kwargs(original):
     return _validate_model_kwargs
 
 
-def _latent_cache_by_default(original):
-    # generate() builds `DynamicCache(config=...)` itself; for flashinfer_mla models its full-attention layers are
-    # swapped for `MLALatentLayer` (no per-step history copy). On Blackwell the static cache it builds for
-    # cache_implementation="static" gets `MLAStaticLayer`s, the packed layout trtllm-gen reads inside CUDA graphs.
-    # A cache the user passed is left as it is.
+def _latent_layers_for_mla(original):
+    # Transformers' DynamicLayer concatenates, copying a layer's whole history on every decode step, and on Blackwell
+    # trtllm-gen reads only the packed latent. So a `DynamicCache(config=...)` built for a flashinfer_mla model gets
+    # `MLALatentLayer`s (the same content, grown in place, in the layout this device's kernel reads) wherever it is
+    # built: by generate(), by the model's forward when it is called without a cache (a loop of the user's own,
+    # classifier-free guidance's own forward), or by the user. Subclasses (MLALatentCache, QuantizedCache) and caches
+    # built from data keep their own layers.
+    @functools.wraps(original)
+    def __init__(self, ddp_cache_data=None, config=None, *args, **kwargs):
+        original(self, ddp_cache_data, config, *args, **kwargs)
+        if (type(self) is DynamicCache and ddp_cache_data is None and config is not None
+                and config.get_text_config(decoder=True)._attn_implementation == ATTN_NAME):
+            adopt_latent_layers(self)
+
+    return __init__
+
+
+def _packed_static_cache_on_blackwell(original):
+    # On Blackwell the static cache generate() builds for cache_implementation="static" gets `MLAStaticLayer`s, the
+    # packed layout trtllm-gen reads inside CUDA graphs. A cache the user passed is left as it is.
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # renamed in transformers 5.2x
         if (
-            getattr(cache, "_is_user_defined", False)
-            or self.config.get_text_config(decoder=True)._attn_implementation != ATTN_NAME
+            type(cache) is StaticCache and not getattr(cache, "_is_user_defined", False)
+            and self.config.get_text_config(decoder=True)._attn_implementation == ATTN_NAME
+            and packed_layout_for(self.device)
         ):
-            return result
-        if type(cache) is DynamicCache:
-            adopt_latent_layers(cache)
-        elif type(cache) is StaticCache and packed_layout_for(self.device):
             for i, layer in enumerate(cache.layers):
                 if type(layer) is StaticLayer and not layer.is_initialized:
                     cache.layers[i] = MLAStaticLayer(layer.max_cache_len)
@@ -328,7 +341,8 @@ def register() -> None:
         _patch(PreTrainedModel, name, _with_load_option, unwrap=lambda m: m.__func__)
     _patch(PreTrainedConfig, "to_dict", _not_serialized)
     _patch(GenerationMixin, "_validate_model_kwargs", _validated_generate_kwargs)
-    _patch(GenerationMixin, "_prepare_cache_for_generation", _latent_cache_by_default)
+    _patch(DynamicCache, "__init__", _latent_layers_for_mla)
+    _patch(GenerationMixin, "_prepare_cache_for_generation", _packed_static_cache_on_blackwell)
     _patch(GenerationMixin, "_update_model_kwargs_for_generation", _growing_masks)
     _patch(masking_utils, "_preprocess_mask_arguments", _rows_kept_on_copies)
     _patch(PreTrainedModel, "get_compiled_call", _slots_checked_before_compiled_steps)

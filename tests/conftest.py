@@ -193,16 +193,16 @@ def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=
 
     The one decode loop of the suite. Decoding feeds `forced` ``[B, T]`` (teacher forcing), ``chunks[i]`` tokens per
     forward (one by default), or, without `forced`, the argmax token `steps` times. Positions count the attended
-    tokens, so a right-padded prompt continues after its last real token. `cache` defaults to a fresh
-    `DynamicCache`; `kwargs` go to every forward (e.g. ``mla_backend=``). ``as_generate=True`` grows the 2D mask
+    tokens, so a right-padded prompt continues after its last real token. `cache` defaults to the one the model's
+    forward builds when it is called without one (a fresh `DynamicCache`); `kwargs` go to every forward (e.g. ``mla_backend=``). ``as_generate=True`` grows the 2D mask
     through ``generate()``'s own mask update (``_update_model_kwargs_for_generation``), so the steps see what
     ``generate()``'s steps see (rows known on the host, the next step planned ahead); `forward` (default: the model)
     runs the decode steps, e.g. a compiled model.
     """
-    cache = DynamicCache(config=model.config) if cache is None else cache
     forward = model if forward is None else forward
     out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache,
                 use_cache=True, **kwargs)
+    cache = out.cache
     sizes = list(chunks) if chunks else [1] * (forced.shape[1] if forced is not None else steps)
     logits, done = [], 0
     for n in sizes:

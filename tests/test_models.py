@@ -213,6 +213,59 @@ def test_generate_uses_latent_cache_by_default_and_accepts_explicit_caches():
     assert not any(isinstance(layer, hf_flashinfer_mla.MLALatentLayer) for layer in out.cache.layers)
 
 
+@pytest.mark.parametrize("built_by", ["forward", "user"])
+def test_caches_built_for_the_model_grow_in_place_and_decode_as_eager(built_by):
+    """A `DynamicCache` built from the model's config gets `MLALatentLayer`s wherever it is built: by the model's
+    forward when it is called without a cache (a loop of the user's own; classifier-free guidance's forward inside
+    generate()), or by the user. Transformers' DynamicLayer concatenates, copying every layer's whole history on
+    every step; these grow in place, and their decode equals eager's. A cache built without the config, or for a
+    model running another implementation, keeps Transformers' own layers."""
+    model = make_model("deepseek_v3")
+    ids, mask, prompts = left_padded_batch()
+    forced = torch.randint(1, VOCAB, (len(prompts), 5), generator=torch.Generator().manual_seed(6))
+    seen = []
+    model.model.register_forward_hook(lambda module, args, kwargs, out: seen.append(out.cache), with_kwargs=True)
+    ours = decode_logits(model, ids, mask, cache=DynamicCache(config=model.config) if built_by == "user" else None,
+                         forced=forced)
+    cache = seen[0]
+    assert all(c is cache for c in seen) and type(cache) is DynamicCache
+    assert all(type(layer) is hf_flashinfer_mla.MLALatentLayer for layer in cache.layers)
+    # (grown in place: the prefill's buffer still holds every decoded token)
+    assert all(layer.capacity >= ids.shape[1] + forced.shape[1] for layer in cache.layers)
+    for b, theirs in enumerate(eager_alone(model, prompts, forced)):
+        assert rel_err(ours[b], theirs) < TOL
+    assert not DynamicCache().layers  # (no config: Transformers' own layers, made as the model writes)
+    model.set_attn_implementation("sdpa")
+    assert not any(isinstance(layer, hf_flashinfer_mla.MLALatentLayer)
+                   for layer in DynamicCache(config=model.config).layers)
+
+
+@torch.no_grad()
+def test_a_prompt_cache_copied_and_continued_matches_eager():
+    """Transformers' recipe for reusing a prompt's cache: prefill a shared prefix once into a `DynamicCache`, then for
+    each continuation ``generate()`` from a ``copy.deepcopy`` of it. The copies (of `MLALatentLayer`s: their views
+    into the copied buffers) must decode as eager's copies of its own layers do, and leave the prefix cache as it
+    was for the next continuation."""
+    import copy
+
+    model = make_model("deepseek_v3")
+    g = torch.Generator().manual_seed(9)
+    prefix = torch.randint(1, VOCAB, (1, 7), generator=g)
+    suffixes = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (3, 5)]
+    runs = {}
+    for attn in ("flashinfer_mla", "eager"):
+        model.set_attn_implementation(attn)
+        prompt_cache = model(input_ids=prefix, cache=DynamicCache(config=model.config), use_cache=True).cache
+        runs[attn] = [model.generate(input_ids=torch.cat([prefix, s], dim=-1), cache=copy.deepcopy(prompt_cache),
+                                     max_new_tokens=4, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True) for s in suffixes]
+        assert prompt_cache.get_seq_length() == prefix.shape[1]
+    assert type(runs["flashinfer_mla"][0].cache.layers[0]) is hf_flashinfer_mla.MLALatentLayer
+    for ours, theirs in zip(runs["flashinfer_mla"], runs["eager"]):
+        assert torch.equal(ours.sequences, theirs.sequences)
+        assert rel_err(torch.stack(ours.logits), torch.stack(theirs.logits)) < TOL
+
+
 def test_right_padded_batch_matches_eager_alone():
     # Right padding leaves a hole between the prompt and the generated tokens: the decode mask is not one run.
     model = make_model("deepseek_v3")

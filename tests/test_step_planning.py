@@ -30,6 +30,7 @@ from conftest import (
 from fake_flashinfer import FakeMLAModule, fake_hopper  # noqa: F401  (fixture)
 from flashinfer.mla._batch_mla._backends import _fa_common
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import (
     causal_mask_function,
     create_masks_for_generate,
@@ -410,6 +411,22 @@ def test_generate_on_fa3_matches_eager_alone_planning_once_per_step_without_read
     assert_batch_matches_eager_alone(model, out, prompts, new_tokens, TOL)
 
 
+@torch.no_grad()
+def test_transformers_own_cache_layers_decode_on_the_kernel_as_eager(fake_hopper):
+    """A cache built without the model's config (``DynamicCache()``) keeps Transformers' own `DynamicLayer`, which
+    concatenates its latent every step into new tensors: fa3 reads those in place too, and the logits are eager's.
+    (Caches built from the model's config get the package's layers, which the rest of the suite decodes over.)"""
+    model = make_model("deepseek_v3")
+    ids, mask, prompts = left_padded_batch()
+    forced = torch.randint(1, VOCAB, (len(prompts), 4), generator=torch.Generator().manual_seed(8))
+    cache = DynamicCache()
+    ours = decode_logits(model, ids, mask, cache=cache, forced=forced)
+    assert cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers)
+    assert fake_hopper.modules["fa3"].runs == forced.shape[1] * model.config.num_hidden_layers
+    for b, theirs in enumerate(eager_alone(model, prompts, forced)):
+        assert rel_err(ours[b], theirs) < TOL
+
+
 def test_prompt_lookup_decoding_multi_token_causal_plans(fake_hopper):
     """Assisted (prompt-lookup) decoding verifies several tokens per step: causal fa3 plans, equal to eager."""
     model = make_model("deepseek_v3")
@@ -564,16 +581,17 @@ def test_direct_and_wrapper_planners_agree_with_the_reference(fake_hopper, monke
     forced = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(8))
     chunks = [1, 3, 1, 1]
 
-    def run(**kwargs):
+    def run(**kwargs):  # (Transformers' own layers: their rows move every step, so no step is planned ahead)
         with torch.no_grad():
-            return decode_logits(model, ids, mask, forced=forced, chunks=chunks, as_generate=True, **kwargs)
+            return decode_logits(model, ids, mask, cache=DynamicCache(), forced=forced, chunks=chunks,
+                                 as_generate=True, **kwargs)
 
     reference = run(mla_backend="reference")
     assert fake_hopper.modules == {} and planned == []
     direct = run(mla_backend="fa3")
     monkeypatch.setenv(fa.PLANNER_ENV, "wrapper")
     wrapper = run(mla_backend="fa3")
-    direct_plans = fake_hopper.modules["fa3"].plans  # one per step (a DynamicCache's rows move: none planned ahead)
+    direct_plans = fake_hopper.modules["fa3"].plans  # one per step
     assert len(planned) == len(direct_plans) == len(chunks)
     identity = buffers.identity_rows(CPU, 1)
     for d, w in zip(direct_plans, planned):

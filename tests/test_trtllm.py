@@ -19,12 +19,14 @@ pytest.importorskip("flashinfer", reason="these tests check the package against 
 
 import torch
 from conftest import (
-    assert_batch_matches_eager_alone, assert_same_outputs, generation_mode, left_padded_batch, make_model,
-    package_warnings,
+    VOCAB, assert_batch_matches_eager_alone, assert_same_outputs, decode_logits, generation_mode, left_padded_batch,
+    make_model, mla_layers, package_warnings, rel_err,
 )
 from fake_flashinfer import fake_hopper, fresh_caches  # noqa: F401  (fixture)
 from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import _trtllm_gen_mla_incompatibility_reason
 from flashinfer.utils import _resolve_trtllm_gen_multi_ctas_kv_counter_buffer, get_trtllm_gen_multi_ctas_kv_counter_bytes
+
+from transformers import DynamicCache
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla import MLALatentLayer, buffers, capabilities
@@ -785,9 +787,8 @@ def test_generation_modes_on_trtllm_gen_match_the_reference(fake_blackwell, monk
     the kernel too. The stand-in attends through the block tables and lengths it is given, where the reference reads
     the step's mask: cropped caches and 5-token verify steps (assisted), reordered caches (beams), repeated batches
     (sampling) and the main steps next to guidance's forward or a second model's loop must all reach it with the right
-    rows. (Guidance's own forward and the second model's loop run on the reference, with one warning: Transformers'
-    guidance processor and the loop give them a plain `DynamicCache`, which does not store the latent packed as
-    trtllm-gen reads it.)"""
+    rows. (Guidance's own forward and the second model's loop decode over a `DynamicCache` built from the model's
+    config, which stores the latent packed on Blackwell: they run the kernel too, see the next test.)"""
     ours = generation_mode(mode, lengths=(70, 6))
     calls = len(fake_blackwell.calls)
     assert calls > 0 and {c["backend"] for c in fake_blackwell.calls} == {"auto"}  # (trtllm-gen, as FlashInfer picks)
@@ -795,3 +796,34 @@ def test_generation_modes_on_trtllm_gen_match_the_reference(fake_blackwell, monk
     ref = generation_mode(mode, lengths=(70, 6))
     assert len(fake_blackwell.calls) == calls  # the second pass ran the reference only
     assert_same_outputs(ours, ref, 1e-6)
+
+
+@torch.no_grad()
+def test_forwards_that_build_their_own_cache_run_trtllm_gen(fake_blackwell, monkeypatch, caplog):
+    """Classifier-free guidance's own forward inside generate() and a loop of the user's own decode over the cache
+    the model's forward builds when called without one. On Blackwell that cache stores the latent packed, as
+    generate()'s does, so their decode steps run trtllm-gen, with no warning, and give the reference's tokens and
+    logits. Control: a `DynamicCache()` built without the model's config keeps Transformers' split layers, which
+    trtllm-gen cannot read (one warning, the reference runs)."""
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    model = make_model("deepseek_v3")
+    layers = len(mla_layers(model))
+    ours = generation_mode("guidance", lengths=(70, 6))
+    # The guidance forward attends over its 8-token negative prompt and what it has decoded since, the main steps
+    # over 70 positions and more. Per layer: the guidance's 6 forwards (its prompt, of <= 8 tokens, decodes too) and
+    # the main call's 5 decode steps.
+    guided = [c for c in fake_blackwell.calls if int(c["seq_lens"].max()) < 20]
+    assert len(guided) == 6 * layers and len(fake_blackwell.calls) == 11 * layers
+    ids, mask, _ = left_padded_batch(lengths=(70, 6))
+    forced = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(7))
+    calls = len(fake_blackwell.calls)
+    loop = decode_logits(model, ids, mask, forced=forced)
+    assert len(fake_blackwell.calls) == calls + 4 * len(mla_layers(model))
+    assert not [w for w in package_warnings(caplog) if "packed" in w], package_warnings(caplog)
+    calls = len(fake_blackwell.calls)
+    assert rel_err(loop, decode_logits(model, ids, mask, cache=DynamicCache(), forced=forced)) < 1e-6
+    assert len(fake_blackwell.calls) == calls  # (the control: split layers, on the reference)
+    assert [w for w in package_warnings(caplog) if "does not store the latent packed" in w]
+    assert rel_err(loop, decode_logits(model, ids, mask, forced=forced, mla_backend="reference")) < 1e-6
+    monkeypatch.setenv(hf_flashinfer_mla.ENV_VAR, "reference")
+    assert_same_outputs(ours, generation_mode("guidance", lengths=(70, 6)), 1e-6)

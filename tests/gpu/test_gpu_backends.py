@@ -206,11 +206,16 @@ def _teacher_forced(model, cache, **kwargs):
 
 
 def _cache(kind, model):
+    """"dynamic": Transformers' own concatenating layers (a `DynamicCache` built without the config: one built from
+    a flashinfer_mla model's config gets the package's latent layers, as "latent" does); "own": none, so the model's
+    forward builds its cache (a loop of the user's own, classifier-free guidance's forward)."""
+    if kind == "own":
+        return None
     if kind == "static":
         return StaticCache(config=model.config, max_cache_len=64 + 64 + 16)
     if kind == "latent":
         return hf_flashinfer_mla.MLALatentCache(config=model.config)
-    return DynamicCache(config=model.config)
+    return DynamicCache()
 
 
 def _compare(ours, oracle):
@@ -230,7 +235,7 @@ def shaped(request):
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "latent"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "latent", "own"])
 def test_teacher_forced_64_steps_match_eager_and_reference(shaped, backend, cache_kind):
     _available(backend)
     name, model, eager, reference = shaped
