@@ -124,13 +124,17 @@ def cache_kwarg(model) -> str:
 
 def make_cache(kind: str, attn: str, config, max_len: int, packed: bool | None = None):
     """The cache of a decode run: ``static`` gives every implementation a StaticCache; ``dynamic`` gives each what
-    generate() gives it (flashinfer_mla: `MLALatentCache`, in the layout it picks for the GPU unless `packed`)."""
+    generate() gives it (flashinfer_mla: `MLALatentCache`, in the layout it picks for the GPU unless `packed`);
+    ``transformers`` gives Transformers' own concatenating layers (``DynamicCache()``, built without the config,
+    which is what flashinfer_mla models' caches built outside generate() held before the package adopted them)."""
     import transformers
 
     import hf_flashinfer_mla
 
     if kind == "static":
         return transformers.StaticCache(config=config, max_cache_len=max_len)
+    if kind == "transformers":
+        return transformers.DynamicCache()
     if attn == "flashinfer_mla":
         return hf_flashinfer_mla.MLALatentCache(config=config, packed=packed)
     return transformers.DynamicCache(config=config)

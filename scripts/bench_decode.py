@@ -58,11 +58,11 @@ def run_cell(model, attn, batch, context, args, device, dtype, floor_bps) -> dic
 
             rec["mla_backend"] = choose_backend(device, dtype, config.kv_lora_rank, config.qk_rope_head_dim,
                                                 config.num_attention_heads, requested_backend(args.mla_backend))
-        kind = "static" if args.graphs else "dynamic"
-        packed = {"auto": None, "split": False, "packed": True}[args.layout]
+        kind = "static" if args.graphs else "transformers" if args.layout == "transformers" else "dynamic"
+        packed = {"auto": None, "split": False, "packed": True, "transformers": None}[args.layout]
         warmup = max(args.warmup, 3) if args.graphs else args.warmup  # CUDA-graph trees warm up, then record
         cache = bc.make_cache(kind, attn, config, context + warmup + args.steps + 8, packed=packed)
-        rec["cache_class"] = type(cache).__name__
+        rec["cache_class"], rec["layout"] = type(cache).__name__, args.layout
         bc.fill_cache(cache, config, batch, context, dtype, device)
         if args.graphs:
             torch._dynamo.reset()
@@ -141,8 +141,10 @@ def parse_args(argv=None):
     p.add_argument("--context", nargs="+", type=int, default=[1024, 4096, 16384, 32768])
     p.add_argument("--attn", nargs="+", default=list(bc.ATTNS), choices=bc.ATTNS)
     p.add_argument("--graphs", action="store_true", help="StaticCache + torch.compile with CUDA graphs")
-    p.add_argument("--layout", default="auto", choices=("auto", "split", "packed"),
-                   help="MLALatentCache layout for flashinfer_mla (auto: what generate() picks for the GPU)")
+    p.add_argument("--layout", default="auto", choices=("auto", "split", "packed", "transformers"),
+                   help="flashinfer_mla's cache: auto, what generate() picks for the GPU; split/packed, that layout "
+                        "forced; transformers, DynamicCache() built without the config (Transformers' own "
+                        "concatenating layers, every implementation)")
     p.add_argument("--mla-backend", default=None, help="force flashinfer_mla's backend (fa3, fa2, reference, ...)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
     p.add_argument("--device", default="cuda")

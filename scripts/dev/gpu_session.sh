@@ -33,6 +33,10 @@
 #                                           # CUDA-graph target cell
 #   bash scripts/dev/gpu_session.sh genab   # V2-Lite static-cache generate() at batch 1 and 8, each cell compiled
 #                                           # from a clean slate, sdpa first; then batch 1 flashinfer_mla first
+#   bash scripts/dev/gpu_session.sh genlayers # V2-Lite static generate() at batch 1 and 8 (sdpa first); then
+#                                           # flashinfer_mla over Transformers' own DynamicLayer (--layout
+#                                           # transformers) and over its latent layers, V3 shape, batch 1/32 x 4k/32k
+#   bash scripts/dev/gpu_session.sh hostreplay # host per layer against ab_old/ (old, new), then `replay`
 #   bash scripts/dev/gpu_session.sh hostfn  # host per layer against ab_old/, both timed by this revision's
 #                                           # bench_host.py (the attention function alone too), alternated
 set -uo pipefail
@@ -162,6 +166,20 @@ case "$1" in
     run 200 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 \
         --attn flashinfer_mla sdpa --repeats 3 --out "$O" --name generate_v2lite_static_fi_first.json
     echo "== generate"; grep -v "^  \|Loading\|warn" "$O/generate.txt" | tail -30 ;;
+  genlayers)  # V2-Lite static generate() (sdpa first, each cell from a clean slate); then flashinfer_mla over
+              # Transformers' own concatenating layers against the package's latent layers (V3 shape, eager mode)
+    cd "$ROOT/scripts"
+    run 300 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
+        --attn sdpa flashinfer_mla --repeats 3 --out "$O" --name generate_v2lite_static.json
+    for l in transformers auto; do
+      run 110 layers.txt python3 bench_decode.py --model deepseek-v3-attn --batch 1 32 --context 4096 32768 \
+          --attn flashinfer_mla --layout $l --steps 10 --warmup 2 --time-limit 90 --out "$O" --name layers_$l.json
+    done
+    for f in generate layers; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -30; done ;;
+  hostreplay)  # host per layer against ab_old/ (both timed by this revision's bench_host.py), then `replay`
+    HOST_AB_SCRIPTS=new host_ab 45 old new
+    echo "== host_ab"; grep -v "^  \|Loading\|warn" "$O/host_ab.txt" | tail -30
+    (cd "$ROOT" && bash scripts/dev/gpu_session.sh replay) ;;
   hostfn)
     HOST_AB_SCRIPTS=new host_ab 45 old new old2 new2
     echo "== host_ab"; grep -v "^  \|Loading\|warn" "$O/host_ab.txt" | tail -40 ;;
