@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -107,8 +108,11 @@ class MLALatentLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
+        self.keys = torch.tensor([], dtype=key_states.dtype, device=self.device)  # (as DynamicLayer's, until the
+        self.values = torch.tensor([], dtype=value_states.dtype, device=self.device)  # first update)
         self._buffers: tuple[torch.Tensor, ...] | None = None  # (packed,) or (latent, rope)
         self._length = 0
+        self._handed: list[weakref.ref] = []  # views handed out since the buffers were allocated (`_in_place_ok`)
         self._rank = key_states.shape[-1]
         self.packed = self.packed_request if self.packed_request is not None else packed_layout_for(self.device)
         if self.storage_dtype == FP8 and self.scales is None:
@@ -135,15 +139,35 @@ class MLALatentLayer(DynamicLayer):
             self.keys, self.values = filled[..., : self._rank], filled[..., self._rank :]
         else:
             self.keys, self.values = (b[:, :, : self._length] for b in self._buffers)
+        if not torch.compiler.is_compiling():
+            self._handed = [r for r in self._handed if r() is not None] + [weakref.ref(self.keys),
+                                                                            weakref.ref(self.values)]
         if self.storage_dtype == FP8:
             setattr(self.keys, _SCALES_ATTR, self.scales)
             setattr(self.values, _SCALES_ATTR, self.scales)
 
+    def _in_place_ok(self, states: torch.Tensor) -> bool:
+        """Whether this update may write into the buffers in place. Transformers' DynamicLayer never writes into a
+        tensor it handed out (it concatenates into new ones), and code relies on that: autograd, which saved views
+        of the buffers for a backward through several forwards; inference-mode buffers, which cannot be written
+        outside inference mode; a view taken before a `crop` (a snapshot to restore), whose rows the next update
+        would overwrite. Those updates copy the kept rows into new buffers first, as DynamicLayer's concatenation
+        copies them; generate()'s steps write in place."""
+        buffer = self._buffers[0]
+        if buffer.requires_grad or (states.requires_grad and torch.is_grad_enabled()):
+            return False
+        if buffer.is_inference() and not torch.is_inference_mode_enabled():
+            return False
+        return not any(v is not None and v.shape[-2] > self._length for v in (r() for r in self._handed))
+
     def _grow(self, batch: int, needed: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         old = self._buffers
+        self._handed = []
         # Headroom on the first allocation (a prompt of exactly 256k tokens must not copy itself at the first
         # decode step), then 1.5x growth: O(1) copies per token with a lower peak than doubling.
         capacity = needed + ROUND_TOKENS if old is None else max(needed, old[0].shape[2] * 3 // 2)
+        if old is not None and needed <= old[0].shape[2]:  # (a copy to write into: the capacity is kept)
+            capacity = old[0].shape[2]
         capacity = -(-capacity // ROUND_TOKENS) * ROUND_TOKENS
         widths = [like_k.shape[-1] + like_v.shape[-1]] if self.packed else [like_k.shape[-1], like_v.shape[-1]]
         dtype = self.storage_dtype or like_k.dtype
@@ -165,7 +189,7 @@ class MLALatentLayer(DynamicLayer):
                 f"the cache holds {self._buffers[0].shape[0]} sequences and this forward brings {key_states.shape[0]}"
                 ": reorder or repeat the cache first (batch_select_indices, batch_repeat_interleave), or start a "
                 "new one")
-        if self._buffers is None or needed > self.capacity:
+        if self._buffers is None or needed > self.capacity or not self._in_place_ok(key_states):
             self._grow(key_states.shape[0], needed, key_states, value_states)
         if self.storage_dtype == FP8:
             key_states = quantize_fp8(key_states, self.scales.latent)
@@ -204,7 +228,7 @@ class MLALatentLayer(DynamicLayer):
 
     def _map_buffer(self, fn) -> None:
         if self.is_initialized and self._buffers is not None:
-            self._buffers = tuple(fn(b) for b in self._buffers)
+            self._buffers, self._handed = tuple(fn(b) for b in self._buffers), []
             self._refresh_views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -238,14 +262,16 @@ class MLAIndexedLayer(MLALatentLayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._index_keys: torch.Tensor | None = None  # [B, 1, capacity, index_head_dim]
+        self._index_beside: torch.Tensor | None = None  # the latent buffer they were allocated beside
         self.indexer_keys = self.indexer_position_ids = None
 
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
         n = indexer_key_states.shape[1]
         if n > self._length:
             raise CacheLayoutError("update_indexer() wrote more tokens than the layer's update() cached")
-        if self._index_keys is None or self._index_keys.shape[2] != self.capacity:
-            self._index_keys = self._grown(self._index_keys, indexer_key_states)
+        if self._index_keys is None or self._index_beside is not self._buffers[0]:
+            # (the latent has new buffers: grown, or copied rather than written in place, see `_in_place_ok`)
+            self._index_keys, self._index_beside = self._grown(self._index_keys, indexer_key_states), self._buffers[0]
         self._index_keys[:, 0, self._length - n : self._length] = indexer_key_states
         self.indexer_keys = self._index_keys[:, 0, : self._length]
         return self.indexer_keys
@@ -266,10 +292,11 @@ class MLAIndexedLayer(MLALatentLayer):
         if self._index_keys is not None:
             self._index_keys = fn(self._index_keys)
         super()._map_buffer(fn)
+        self._index_beside = self._buffers[0] if self._buffers is not None else None
 
     def reset(self) -> None:
         super().reset()
-        self._index_keys = self.indexer_keys = None
+        self._index_keys = self._index_beside = self.indexer_keys = None
 
 
 class MLAStaticLayer(StaticLayer):

@@ -266,6 +266,70 @@ def test_a_prompt_cache_copied_and_continued_matches_eager():
         assert rel_err(torch.stack(ours.logits), torch.stack(theirs.logits)) < TOL
 
 
+# ------------------------------------------ what code relies on from DynamicLayer: it never writes a tensor it handed out
+@torch.no_grad()
+def test_a_snapshot_taken_before_a_crop_is_restored_as_eager():
+    """A snapshot of the cache's tensors at a branch point (``list(cache)``), a crop further back to try another
+    branch, then the snapshot restored (``DynamicCache(ddp_cache_data=...)``) and continued. Transformers' layers
+    concatenate into new tensors, so the snapshot still holds the branch point; the latent layers must not write
+    over the rows it covers (the other branch's update copies them first)."""
+    model = make_model("deepseek_v3")
+    prompt = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for attn in ("flashinfer_mla", "eager"):
+        model.set_attn_implementation(attn)
+        cache = model(input_ids=prompt, use_cache=True).cache
+        snapshot = [(k, v) for k, v, *_ in cache]
+        cache.crop(-2)
+        model(input_ids=torch.tensor([[40, 41]]), cache=cache, use_cache=True)  # the other branch
+        restored = DynamicCache(ddp_cache_data=snapshot)
+        logits[attn] = model(input_ids=torch.tensor([[7]]), cache=restored, use_cache=True).logits
+    assert rel_err(logits["flashinfer_mla"], logits["eager"]) < TOL
+
+
+def test_gradients_through_two_forwards_over_one_cache_match_eager():
+    """Training over a sequence in two chunks that share a cache, the loss of both backpropagated: autograd saved
+    the first chunk's cached latent, which the second chunk's update must not write over (it copies it, as
+    DynamicLayer's concatenation does), and the gradients are eager's."""
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
+    grads = {}
+    for attn in ("flashinfer_mla", "eager"):
+        model = make_model("deepseek_v3")
+        model.set_attn_implementation(attn)
+        first = model(input_ids=ids[:, :7], labels=ids[:, :7], use_cache=True)
+        second = model(input_ids=ids[:, 7:], labels=ids[:, 7:], cache=first.cache, use_cache=True)  # (decode-sized)
+        (first.loss + second.loss).backward()
+        grads[attn] = [p.grad for p in (model.model.layers[0].self_attn.kv_b_proj.weight, model.model.embed_tokens.weight)]
+    for ours, theirs in zip(grads["flashinfer_mla"], grads["eager"]):
+        assert rel_err(ours, theirs) < TOL
+
+
+def test_a_cache_prefilled_in_inference_mode_is_continued_outside_it():
+    """A prompt cache prefilled under ``torch.inference_mode()`` and continued by ``generate()`` (which runs under
+    ``no_grad``): inference tensors cannot be written outside inference mode, so the latent layers copy them into
+    new buffers at the first update outside, and the tokens and logits are eager's. Inside generate() the later steps
+    write in place (the cache's storage stays the same)."""
+    model = make_model("deepseek_v3")
+    prompt = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    ids = torch.cat([prompt, torch.tensor([[5, 6]])], -1)
+    runs, storages = {}, []
+    for attn in ("flashinfer_mla", "eager"):
+        model.set_attn_implementation(attn)
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=prompt, cache=cache, use_cache=True)
+        hook = model.model.layers[0].self_attn.register_forward_hook(
+            lambda *_: storages.append(cache.layers[0].keys.untyped_storage().data_ptr()))
+        runs[attn] = model.generate(input_ids=ids, cache=cache, max_new_tokens=4, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True)
+        hook.remove()
+        if attn == "flashinfer_mla":
+            assert len(storages) == 4 and len(set(storages)) == 1, storages  # one copy before the first, then in place
+    assert torch.equal(runs["flashinfer_mla"].sequences, runs["eager"].sequences)
+    assert rel_err(torch.stack(runs["flashinfer_mla"].logits), torch.stack(runs["eager"].logits)) < TOL
+    assert len(set(storages[4:])) == 4  # (eager's layers: a new tensor every step)
+
+
 def test_right_padded_batch_matches_eager_alone():
     # Right padding leaves a hole between the prompt and the generated tokens: the decode mask is not one run.
     model = make_model("deepseek_v3")
