@@ -146,6 +146,10 @@ class MLALatentLayer(DynamicLayer):
             setattr(self.keys, _SCALES_ATTR, self.scales)
             setattr(self.values, _SCALES_ATTR, self.scales)
 
+    def __getstate__(self) -> dict:
+        # (copies, pickles and torch.save hold no weak references: the views a copy hands out are its own)
+        return {**self.__dict__, "_handed": []}
+
     def _in_place_ok(self, states: torch.Tensor) -> bool:
         """Whether this update may write into the buffers in place. Transformers' DynamicLayer never writes into a
         tensor it handed out (it concatenates into new ones), and code relies on that: autograd, which saved views

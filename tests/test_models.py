@@ -287,6 +287,32 @@ def test_a_snapshot_taken_before_a_crop_is_restored_as_eager():
     assert rel_err(logits["flashinfer_mla"], logits["eager"]) < TOL
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_cache_saved_and_loaded_continues_as_eager(how):
+    """A prompt's cache pickled or saved with ``torch.save``, loaded, and continued: the loaded latent layers are
+    the prompt's, and their views are their own (a copy holds no reference to what the original handed out)."""
+    import io
+    import pickle
+
+    model = make_model("deepseek_v3")
+    prompt = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    logits = {}
+    for attn in ("flashinfer_mla", "eager"):
+        model.set_attn_implementation(attn)
+        cache = model(input_ids=prompt, use_cache=True).cache
+        if how == "pickle":
+            loaded = pickle.loads(pickle.dumps(cache))
+        else:
+            buffer = io.BytesIO()
+            torch.save(cache, buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=False)
+        logits[attn] = model(input_ids=torch.tensor([[7, 8], [9, 10]]), cache=loaded, use_cache=True).logits
+        assert cache.get_seq_length() == 9 and loaded.get_seq_length() == 11
+    assert rel_err(logits["flashinfer_mla"], logits["eager"]) < TOL
+
+
 def test_gradients_through_two_forwards_over_one_cache_match_eager():
     """Training over a sequence in two chunks that share a cache, the loss of both backpropagated: autograd saved
     the first chunk's cached latent, which the second chunk's update must not write over (it copies it, as
