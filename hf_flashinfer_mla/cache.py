@@ -174,7 +174,7 @@ class MLALatentLayer(DynamicLayer):
             capacity = old[0].shape[2]
         capacity = -(-capacity // ROUND_TOKENS) * ROUND_TOKENS
         widths = [like_k.shape[-1] + like_v.shape[-1]] if self.packed else [like_k.shape[-1], like_v.shape[-1]]
-        dtype = self.storage_dtype or like_k.dtype
+        dtype = self._promoted(like_k)
         new = tuple(torch.empty((batch, 1, capacity, w), dtype=dtype, device=like_k.device) for w in widths)
         for i, dst in enumerate(new):
             kept = self._length if old is not None else 0
@@ -182,6 +182,13 @@ class MLALatentLayer(DynamicLayer):
                 dst[:, :, :kept] = old[i][:, :, :kept]
             dst[:, :, kept:].zero_()  # never hand out uninitialised memory, even past the valid rows
         self._buffers = new
+
+    def _promoted(self, states: torch.Tensor) -> torch.dtype:
+        """The buffers' dtype once `states` join them: FP8 storage stays FP8; otherwise the type promotion
+        DynamicLayer's concatenation applies (float32 rows continued by a model moved to float64 become float64)."""
+        if self.storage_dtype is not None:
+            return self.storage_dtype
+        return states.dtype if self._buffers is None else torch.promote_types(self._buffers[0].dtype, states.dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -193,7 +200,8 @@ class MLALatentLayer(DynamicLayer):
                 f"the cache holds {self._buffers[0].shape[0]} sequences and this forward brings {key_states.shape[0]}"
                 ": reorder or repeat the cache first (batch_select_indices, batch_repeat_interleave), or start a "
                 "new one")
-        if self._buffers is None or needed > self.capacity or not self._in_place_ok(key_states):
+        if (self._buffers is None or needed > self.capacity or not self._in_place_ok(key_states)
+                or self._promoted(key_states) != self._buffers[0].dtype):
             self._grow(key_states.shape[0], needed, key_states, value_states)
         if self.storage_dtype == FP8:
             key_states = quantize_fp8(key_states, self.scales.latent)
@@ -277,8 +285,14 @@ class MLAIndexedLayer(MLALatentLayer):
             # (the latent has new buffers: grown, or copied rather than written in place, see `_in_place_ok`)
             self._index_keys, self._index_beside = self._grown(self._index_keys, indexer_key_states), self._buffers[0]
         self._index_keys[:, 0, self._length - n : self._length] = indexer_key_states
-        self.indexer_keys = self._index_keys[:, 0, : self._length]
+        self._hand_index_keys()
         return self.indexer_keys
+
+    def _hand_index_keys(self) -> None:
+        # (a handed-out view, as the latent's: `_in_place_ok` then copies rather than overwrite rows it covers)
+        self.indexer_keys = self._index_keys[:, 0, : self._length]
+        if not torch.compiler.is_compiling():
+            self._handed.append(weakref.ref(self.indexer_keys))
 
     def _grown(self, old, like):
         new = like.new_zeros((self._buffers[0].shape[0], 1, self.capacity, like.shape[-1]))
@@ -290,7 +304,7 @@ class MLAIndexedLayer(MLALatentLayer):
     def _refresh_views(self) -> None:
         super()._refresh_views()
         if getattr(self, "_index_keys", None) is not None:
-            self.indexer_keys = self._index_keys[:, 0, : self._length]
+            self._hand_index_keys()
 
     def _map_buffer(self, fn) -> None:
         if self._index_keys is not None:

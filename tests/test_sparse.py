@@ -272,6 +272,35 @@ def test_indexed_layer_grows_both_caches_in_place():
     assert layer.get_seq_length() == 307
 
 
+@torch.no_grad()
+def test_indexer_keys_held_across_a_crop_are_not_overwritten(dsa_type):
+    """A sparse layer's ``indexer_keys`` held across ``crop()`` and the next forward keeps its rows, as with
+    Transformers' `DynamicIndexedLayer` (which concatenates into new tensors): the next forward copies the kept rows
+    rather than write over the ones the held tensor covers. The logits after the other branch match eager's."""
+    model = make_model(dsa_type, dtype=torch.float32)
+    prompt = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    branch = torch.randint(1, VOCAB, (2, 2), generator=torch.Generator().manual_seed(4))
+    logits = {}
+    for attn in ("eager", "flashinfer_mla"):
+        set_attention(model, attn)
+        cache = model(input_ids=prompt, use_cache=True).cache
+        held = [(i, layer.indexer_keys) for i, layer in enumerate(cache.layers)
+                if getattr(layer, "indexer_keys", None) is not None]
+        assert held, "the model's cache holds no indexer keys"
+        before = [k.clone() for _, k in held]
+        try:
+            cache.crop(-2)
+        except RuntimeError as e:  # (linear-attention and sliding layers record no past states by default)
+            if attn == "eager":
+                pytest.skip(f"{dsa_type}'s cache cannot crop with Transformers' own layers either: {e}")
+            raise
+        logits[attn] = model(input_ids=branch, cache=cache, use_cache=True).logits
+        for (i, k), b in zip(held, before):
+            assert torch.equal(k, b), f"{attn}: layer {i}'s held indexer_keys were overwritten"
+    set_attention(model, "flashinfer_mla")
+    assert rel_err(logits["flashinfer_mla"], logits["eager"]) < TOL32
+
+
 def test_generate_uses_the_in_place_indexed_cache(dsa_type):
     model = make_model(dsa_type, dtype=torch.float32)
     ids, mask, _ = left_padded_batch()
