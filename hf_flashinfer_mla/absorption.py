@@ -67,8 +67,9 @@ _derived: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class AbsorbedWeights:
     w_uk: torch.Tensor  # [H, qk_nope_head_dim, kv_lora_rank]
     w_uv_t: torch.Tensor  # [H, kv_lora_rank, v_head_dim]: W_UV transposed, as the projection multiplies by it
-    v_bias: torch.Tensor | None  # [H, v_head_dim]; a key bias cancels in the softmax
+    v_bias: torch.Tensor | None  # [H, v_head_dim]; a key bias cancels in the softmax (without sinks)
     num_heads: int
+    biased: bool = False  # kv_b_proj adds a bias (to keys, values or both)
 
 
 try:
@@ -87,11 +88,23 @@ def _is_plain_linear(proj: nn.Module) -> bool:
     return type(proj) is nn.Linear and proj.weight.is_floating_point() and proj.weight.element_size() > 1
 
 
-def absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights | None:
+def absorbed_weights(module: nn.Module, dtype: torch.dtype, sinks: bool = False) -> AbsorbedWeights | None:
     """W_UK / W_UV of ``module.kv_b_proj`` in `dtype`, or None where the latent must be expanded instead.
 
-    Call once per layer and step: for a plain linear it only slices the live weight.
+    Call once per layer and step: for a plain linear it only slices the live weight. With attention `sinks` a bias
+    does not commute with the softmax (a key bias shifts the scores against the sink's logit, and the value bias
+    counts only the weights' mass outside the sink), so a biased kv_b_proj is expanded instead, as eager does.
     """
+    weights = _absorbed_weights(module, dtype)
+    if weights is not None and sinks and weights.biased:
+        logger.warning_once("flashinfer_mla: decode expands the latent through kv_b_proj itself, as eager does, "
+                            "instead of absorbing its weights: kv_b_proj has a bias and the layer has attention "
+                            "sinks, with which a bias does not factor out of the softmax.")
+        return None
+    return weights
+
+
+def _absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights | None:
     proj = module._modules["kv_b_proj"]  # (read off the dicts, not through nn.Module.__getattr__: it costs)
     inference = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
     # (autograd: each forward's graph gets its own views; a compiled graph holds its own)
@@ -145,6 +158,10 @@ def unabsorbable(proj: nn.Module) -> str | None:
     if every:
         return (f"forward hooks for every module are registered ({', '.join(sorted({_name(h) for h in every}))}, "
                 "with torch.nn.modules.module.register_module_forward_hook), which absorbed decode would skip")
+    backward = sorted({_name(h) for h in _backward_hooks(proj) if not _where(h).startswith("torch.distributed")})
+    if backward:
+        return (f"it has backward hooks ({', '.join(backward)}, on it or on every module) that absorbed decode would "
+                "skip while gradients are enabled")
     if any(t.is_meta for t in proj.parameters()):
         return ("its weights are offloaded (on the meta device until its forward loads them); keep it on the GPU, "
                 "in a device_map without CPU or disk offload, for absorbed decode")
@@ -156,14 +173,25 @@ def unabsorbable(proj: nn.Module) -> str | None:
         return None
     hidden = next((m for m in proj.modules() if not _state_is_visible(m)), None)
     if hidden is not None:
-        return (f"it holds a {type(hidden).__name__} ({type(hidden).__module__}), whose output may depend on state "
-                "this package cannot watch for changes, such as plain attributes, so a derived copy could go stale; "
-                f"if it depends on its tensors alone, add \"{type(hidden).__name__}\" to "
+        reason = (f"it holds a {_qualified(hidden)}, whose output may depend on state this package cannot watch "
+                  "for changes, such as plain attributes, so a derived copy could go stale")
+        if type(hidden).__module__.split(".")[0] == "peft":
+            return reason
+        return (f"{reason}; if it depends on its tensors alone, add \"{_qualified(hidden)}\" to "
                 "hf_flashinfer_mla.absorption.KNOWN_LINEARS")
     if any(t.is_inference() for t in _sources(proj)):
         return ("its tensors are inference tensors (made under torch.inference_mode()), whose in-place changes leave "
                 "no trace, so a derived copy could go stale; load the model under torch.no_grad() for absorbed decode")
     return None
+
+
+def _backward_hooks(proj: nn.Module) -> list:
+    """The backward hooks a call of `proj` would run while gradients are enabled (none under no_grad, where they
+    never fire)."""
+    if not torch.is_grad_enabled():
+        return []
+    return [*(h for m in proj.modules() for h in (*m._backward_pre_hooks.values(), *m._backward_hooks.values())),
+            *_nn_module._global_backward_pre_hooks.values(), *_nn_module._global_backward_hooks.values()]
 
 
 def _aligned(module: nn.Module) -> bool:
@@ -214,7 +242,8 @@ def _split(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -
     num_heads = rows // (nope + v_dim)
     per_head = weight.unflatten(0, (num_heads, nope + v_dim))
     v_bias = None if bias is None else bias.unflatten(0, (num_heads, nope + v_dim))[:, nope:]
-    return AbsorbedWeights(per_head[:, :nope], per_head[:, nope:].transpose(1, 2), v_bias, num_heads)
+    return AbsorbedWeights(per_head[:, :nope], per_head[:, nope:].transpose(1, 2), v_bias, num_heads,
+                           bias is not None)
 
 
 # ------------------------------------------------------------------------------------------------- derived copies
@@ -240,7 +269,7 @@ DEQUANTIZERS: dict[str, Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, t
 
 # Linear classes (by name) whose output depends only on their parameters, buffers and training flag (all in the key
 # below), besides torch.nn's own modules and PEFT's LoRA layers: the quantized linears of the libraries Transformers
-# loads. A user's own class joins them by adding its name here.
+# loads. A user's own class joins them by adding its qualified name (``"my_package.layers.MyLinear"``) here.
 KNOWN_LINEARS = {
     "FP8Linear", "Linear4bit", "Linear8bitLt", "QuantLinear", "WQLinear_GEMM", "WQLinear_GEMV", "WQLinear_Exllama",
     "WQLinear_ExllamaV2", "CompressedLinear", "HQQLinear", "QLinear", "FbgemmFp8Linear",
@@ -261,7 +290,14 @@ def _state_is_visible(m: nn.Module) -> bool:
     """Whether the key below sees everything module `m` computes with: its tensors and training flag, and PEFT's
     switches for PEFT layers. Any other module, an ``nn.Linear`` subclass of the user's included, might keep state
     in plain attributes that no key can see."""
-    return _is_peft_lora(m) or type(m).__name__ in KNOWN_LINEARS or type(m).__module__.startswith("torch.nn")
+    if type(m).__module__.split(".")[0] == "peft":  # (its other tuners switch by plain attributes, as LoRA does)
+        return _is_peft_lora(m)
+    return (type(m).__name__ in KNOWN_LINEARS or _qualified(m) in KNOWN_LINEARS
+            or type(m).__module__.startswith("torch.nn"))
+
+
+def _qualified(m: nn.Module) -> str:
+    return f"{type(m).__module__}.{type(m).__qualname__}"
 
 
 def _sources(proj: nn.Module) -> list[torch.Tensor]:
@@ -274,7 +310,8 @@ def _sources(proj: nn.Module) -> list[torch.Tensor]:
 def _source_key(proj: nn.Module, dtype: torch.dtype, tensors: list[torch.Tensor]) -> tuple:
     """Storage and version of everything the module computes with, and each submodule's class, training flag,
     hooks and PEFT switches: any change (``load_state_dict``, ``.to()``, an optimizer step, ``weight.data = ...``,
-    a copy of the module, a hook, a PEFT adapter switched, disabled, merged) looks at the module again. (A write
+    a copy of the module, a hook (a backward one while gradients are enabled), a PEFT adapter switched, disabled,
+    merged) looks at the module again. (A write
     through ``weight.data`` bumps no version: it is the one change no key sees.)"""
     return (
         dtype,
@@ -282,6 +319,7 @@ def _source_key(proj: nn.Module, dtype: torch.dtype, tensors: list[torch.Tensor]
         tuple((type(m), m.training, tuple(m._forward_pre_hooks), tuple(m._forward_hooks), m.__dict__.get("forward"))
               for m in proj.modules()),
         (tuple(_nn_module._global_forward_pre_hooks), tuple(_nn_module._global_forward_hooks)),
+        tuple(id(h) for h in _backward_hooks(proj)),
         tuple(_peft_state(m) for m in proj.modules() if _is_peft_lora(m)),
     )
 

@@ -72,7 +72,7 @@ def flashinfer_mla_attention_forward(
         requested_backend(mla_backend, module.config)  # an unknown name fails at the call, prefill included
     weights = None
     if query.shape[2] <= MAX_DECODE_QUERY and not (module.training and dropout > 0):
-        weights = absorbed_weights(module, query.dtype)
+        weights = absorbed_weights(module, query.dtype, sinks=s_aux is not None)
     if weights is None:  # prefill, training with dropout, or a kv_b_proj that cannot be absorbed
         kv_latent, k_rot = dequantize_latent(kv_latent, k_rot, query.dtype)
         key_states, value_states = original_expand_kv(module)(kv_latent, k_rot)

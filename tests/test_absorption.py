@@ -421,7 +421,7 @@ AFTER_ABSORBING = {
     "weight-norm": (_weight_normed, None),
     "accelerate-hook": (_accelerate_hook, "is replaced on the instance"),
     "accelerate-alignment": (_accelerate_alignment, None),
-    "own-state": (_own_state, "add \"ScaledLinear\" to hf_flashinfer_mla.absorption.KNOWN_LINEARS"),
+    "own-state": (_own_state, f"add \"{__name__}.ScaledLinear\" to hf_flashinfer_mla.absorption.KNOWN_LINEARS"),
 }
 
 
@@ -452,6 +452,76 @@ def test_decode_follows_what_the_module_computes_after_it_changes(change, monkey
         assert calls and not warned
     else:
         assert not calls and len(warned) == 1 and warning in warned[0]
+
+
+@pytest.mark.filterwarnings("ignore:For backward hooks to be called:UserWarning")
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+@pytest.mark.parametrize("hook", ["module", "every-module"])
+def test_backward_hooks_on_kv_b_proj_run_in_a_short_training_forward(hook, monkeypatch, caplog):
+    """A full backward hook on kv_b_proj (here one that zeroes its input's gradient), or one for every module
+    (``register_module_full_backward_hook``), in a training forward short enough for the absorbed path (<= 8
+    tokens): eager runs kv_b_proj, so its hook fires and shapes the gradients. The absorbed path never calls the
+    module, so with gradients enabled it decodes through the module, with one warning, and gives eager's gradients
+    and hook calls; under no_grad (generate()) the hooks never fire and the decode stays absorbed."""
+    ids = torch.randint(1, 90, (2, 6), generator=torch.Generator().manual_seed(5))
+    grads, fired = {}, {}
+    calls = _count_reference_calls(monkeypatch)
+    for attn in ("flashinfer_mla", "eager"):
+        model = make_model("deepseek_v3", attn=attn)
+        model.train()
+        seen = []
+
+        def zero_grad_input(mod, grad_in, grad_out, seen=seen):
+            if mod.__class__ is nn.Linear and getattr(mod, "_probe_kv_b", False):
+                seen.append(1)
+                return tuple(None if g is None else torch.zeros_like(g) for g in grad_in)
+            return None
+
+        for m in _attention_modules(model):
+            m.kv_b_proj._probe_kv_b = True
+            if hook == "module":
+                m.kv_b_proj.register_full_backward_hook(zero_grad_input)
+        handle = (torch.nn.modules.module.register_module_full_backward_hook(zero_grad_input)
+                  if hook == "every-module" else None)
+        try:
+            with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        finally:
+            if handle is not None:
+                handle.remove()
+        grads[attn] = [m.kv_a_proj_with_mqa.weight.grad.clone() for m in _attention_modules(model)]
+        fired[attn] = len(seen)
+    assert fired["eager"] == len(grads["eager"]) and fired["flashinfer_mla"] == fired["eager"]
+    for a, b in zip(grads["flashinfer_mla"], grads["eager"]):
+        assert rel_err(a, b) < 1e-6
+    warned = [r.getMessage() for r in caplog.records if "backward hooks" in r.getMessage()]
+    assert len(warned) == 1 and not calls  # (the reference attention over the absorbed latent never ran)
+
+
+def test_a_biased_kv_b_proj_with_attention_sinks_decodes_as_eager(caplog):
+    """HY-V4's attention sinks share each query's softmax mass without a value. A kv_b_proj bias then does not
+    factor out: its key half shifts every score against the sink's logit, its value half is weighted by the mass
+    outside the sink. Such a layer decodes through kv_b_proj, with one warning, and gives eager's logits (the
+    absorbed path dropped the key bias and added the value bias in full: rel err 0.1)."""
+    model = make_model("hy_v4", dtype=torch.float32)
+    g = torch.Generator().manual_seed(6)
+    for m in _attention_modules(model):
+        old = m.kv_b_proj
+        m.kv_b_proj = nn.Linear(old.in_features, old.out_features, bias=True, dtype=old.weight.dtype)
+        with torch.no_grad():
+            m.kv_b_proj.weight.copy_(old.weight)
+            m.kv_b_proj.bias.copy_(torch.randn(old.out_features, generator=g) * 0.5)
+    ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
+    outs = {}
+    for attn in ("flashinfer_mla", "eager"):
+        model.set_attn_implementation(attn)
+        with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+            outs[attn] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                        do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(outs["flashinfer_mla"].sequences, outs["eager"].sequences)
+    assert rel_err(torch.stack(outs["flashinfer_mla"].logits), torch.stack(outs["eager"].logits)) < 1e-5
+    warned = [r.getMessage() for r in caplog.records if "attention sinks, with which" in r.getMessage()]
+    assert len(warned) == 1
 
 
 def test_weights_offloaded_by_accelerate_decode_through_the_module(caplog):

@@ -346,3 +346,32 @@ def test_train_mode_dropout_draws_what_eager_draws():
     ours, ref = run(), with_eager(pm, run)
     assert torch.equal(ours.sequences, ref.sequences)
     assert rel_err(torch.stack(ours.logits), torch.stack(ref.logits)) < TOL64
+
+
+@pytest.mark.parametrize("tuner", ["ia3", "loha"])
+def test_other_tuners_decode_through_the_module_even_when_named_known(tuner, monkeypatch, caplog):
+    """PEFT's other tuners (IA3, LoHa, ...) switch adapters by plain attributes, as LoRA does, but the package only
+    knows LoRA's switches: they decode through the module, with one warning that does not suggest trusting them,
+    and follow ``disable_adapter()``. Listing their bare class name ("Linear", as the warning once suggested) in
+    KNOWN_LINEARS does not make the package trust them (it gave rel err 0.19 inside ``disable_adapter()``)."""
+    import logging
+
+    from hf_flashinfer_mla import absorption
+
+    monkeypatch.setattr(absorption, "KNOWN_LINEARS", absorption.KNOWN_LINEARS | {"Linear"})
+    torch.manual_seed(100)
+    config = (peft.IA3Config(target_modules=["kv_b_proj"], feedforward_modules=[]) if tuner == "ia3"
+              else peft.LoHaConfig(target_modules=["kv_b_proj"], r=4, init_weights=False))
+    pm = get_peft_model(make_model("deepseek_v3"), config).eval()
+    with torch.no_grad():  # (IA3 starts as the identity: move it off)
+        for n, p in pm.named_parameters():
+            if tuner == "ia3" and "ia3_l" in n:
+                p.add_(torch.randn_like(p) * 0.5)
+    ids, mask, forced = inputs()
+    with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+        for context in (nullcontext(), pm.disable_adapter(), nullcontext()):
+            with context, torch.no_grad():
+                ours = decode_logits(pm, ids, mask, forced=forced)
+                assert rel_err(ours, with_eager(pm, lambda: decode_logits(pm, ids, mask, forced=forced))) < TOL64
+    warned = [r.getMessage() for r in caplog.records if "kv_b_proj" in r.getMessage()]
+    assert len(warned) == 1 and "peft.tuners" in warned[0] and "KNOWN_LINEARS" not in warned[0]
