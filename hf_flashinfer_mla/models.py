@@ -37,6 +37,7 @@ DENSE_MLA_MODEL_TYPES = (
     "kimi_linear",
     "axk1",
     "bailing_hybrid",
+    "sarvam_mla",  # (a config of its own; Transformers builds DeepseekV3ForCausalLM for it)
 )
 
 # MLA with DeepSeek Sparse Attention (DSA): an indexer picks `index_topk` cached positions per query token after

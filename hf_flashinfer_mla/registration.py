@@ -53,6 +53,11 @@ from .models import ATTN_NAME, check_model_supported, install_latent_hook
 from .plan import plan_of
 from .rows import GrowingMask
 
+try:  # (Transformers' multi-token prediction, `generate(use_mtp=True)`; absent before it)
+    from transformers.modeling_layers import MtpModel
+except ImportError:
+    MtpModel = None
+
 logger = logging.get_logger("hf_flashinfer_mla")
 PATCHED = "_flashinfer_mla_patch"  # marks the functions this module put into Transformers
 
@@ -73,6 +78,10 @@ def _adopt(model: PreTrainedModel, is_init_check: bool, original) -> str:
     text_config = check_model_supported(model.config)
     requested_backend(None, text_config)  # an unknown $HF_FLASHINFER_MLA_BACKEND fails at load, not at the first step
     if text_config is model.config:
+        if MtpModel is not None and isinstance(model, MtpModel):
+            # (its layers are the main model's decoder layers, built on the main model's config: the main model's
+            # check hooked their attention class; MtpModel's own module defines none)
+            return ATTN_NAME
         install_latent_hook(type(model))
         return ATTN_NAME
     key = _text_config_key(model.config, text_config)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import (
     VOCAB, assert_batch_matches_eager_alone, chained_generate, decode_logits, eager_alone, early_eos, eos_generate,
-    kv_b_proj_rows, left_padded_batch, make_model, mla_layers, rel_err,
+    kv_b_proj_rows, left_padded_batch, make_model, mla_layers, rel_err, set_attention,
 )
 from transformers import DynamicCache, StaticCache
 
@@ -370,3 +370,51 @@ def test_right_padded_batch_matches_eager_alone():
     ours = decode_logits(model, ids, mask, forced=forced)
     for i, ref in enumerate(eager_alone(model, prompts, forced)):
         assert rel_err(ours[i], ref) < TOL
+
+
+def test_a_cache_continued_after_the_model_moves_to_float64_matches_eager():
+    """generate() in float32, ``model.to(torch.float64)``, then generate() over the same cache: Transformers' layers
+    promote the cached float32 rows when float64 ones join them (``torch.cat``), so the latent layers do too (the
+    float32 buffers took the float64 rows cast down, and the decode failed on mixed dtypes)."""
+    ids, mask, _ = left_padded_batch()
+    logits = {}
+    for attn in ("flashinfer_mla", "eager"):
+        model = make_model("deepseek_v3", attn=attn, dtype=torch.float32)
+        first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                               return_dict_in_generate=True)
+        model.to(torch.float64)
+        longer = torch.cat([mask, torch.ones(mask.shape[0], 3, dtype=mask.dtype)], dim=-1)
+        out = model.generate(input_ids=first.sequences, attention_mask=longer, cache=first.cache, max_new_tokens=4,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert out.cache.layers[0].keys.dtype == torch.float64
+        logits[attn] = torch.stack(out.logits)
+    assert rel_err(logits["flashinfer_mla"], logits["eager"]) < 1e-5  # (eager's softmax runs in float32)
+
+
+def test_multi_token_prediction_drafts_and_verifies_as_eager(monkeypatch):
+    """``generate(use_mtp=True)``: Transformers builds an ``MtpModel`` over the main model's config, attention
+    implementation included, and drafts with it. Its class has no attention of its own (its layers are the main
+    model's decoder layers, already hooked): it runs flashinfer_mla, where it was refused at construction, and
+    gives eager's tokens and logits. (``MtpModel.from_pretrained`` reads a checkpoint's MTP weights; here the MTP
+    layers are built from the main model, with random weights, through the same constructor.)"""
+    from transformers.modeling_layers import MtpModel
+
+    def built_from_the_main_model(cls, main_model, **kwargs):
+        torch.manual_seed(123)
+        mtp = cls(main_model, main_model.config.get_text_config().num_mtp_layers)
+        with torch.no_grad():
+            for name, p in mtp.named_parameters():
+                if "proj" in name:
+                    p.normal_(0, 0.05)
+        return mtp.to(main_model.dtype).eval()
+
+    monkeypatch.setattr(MtpModel, "from_pretrained", classmethod(built_from_the_main_model))
+    model = make_model("deepseek_v3", dtype=torch.float32, num_mtp_layers=2)
+    prompt = torch.tensor([[5, 9, 33, 2, 71, 40, 12, 8, 19]])
+    outs = {}
+    for attn in ("flashinfer_mla", "eager"):
+        set_attention(model, attn)
+        outs[attn] = model.generate(input_ids=prompt, max_new_tokens=10, use_mtp=True, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(outs["flashinfer_mla"].sequences, outs["eager"].sequences)
+    assert rel_err(torch.stack(outs["flashinfer_mla"].logits), torch.stack(outs["eager"].logits)) < 1e-5

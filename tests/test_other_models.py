@@ -20,8 +20,53 @@ from hf_flashinfer_mla import UnsupportedModelError
 TOL = 1e-6
 
 
+# Model types with a configuration of their own whose model class is another family's (tested there, and below).
+SAME_CLASS_AS = {"sarvam_mla": "deepseek_v3"}
+
+
 def test_registry_covers_every_dense_mla_type():
-    assert set(FAMILIES) == set(hf_flashinfer_mla.DENSE_MLA_MODEL_TYPES)
+    assert set(FAMILIES) | set(SAME_CLASS_AS) == set(hf_flashinfer_mla.DENSE_MLA_MODEL_TYPES)
+
+
+def test_every_model_type_transformers_builds_with_mla_attention_is_supported():
+    """Every model type that Transformers' auto classes build into a model class of a modeling file with an MLA
+    attention (one that defines ``expand_kv``) is supported, itself or through its text model (a multimodal
+    model's ``<type>_text``; vision towers aside). Read from the installed Transformers' sources, so a new family,
+    or a config of its own that reuses another family's class (``sarvam_mla``), is not missed."""
+    import pathlib
+    import re
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    mla_class = {}
+    for path in (pathlib.Path(transformers.__file__).parent / "models").glob("*/modeling_*.py"):
+        source = path.read_text()
+        for name in re.findall(r"^class (\w+)\(", source, re.M):
+            mla_class[name] = "def expand_kv" in source
+    built = {t for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES) for t, c in mapping.items()
+             if mla_class.get(c if isinstance(c, str) else c[0])}
+    supported = set(hf_flashinfer_mla.DENSE_MLA_MODEL_TYPES) | set(hf_flashinfer_mla.SPARSE_MLA_MODEL_TYPES)
+    missing = {t for t in built if t not in supported and f"{t}_text" not in supported and not t.endswith("_vision")}
+    assert {"deepseek_v3", "deepseek_v32"} <= built and not missing, missing
+
+
+@pytest.mark.parametrize("model_type", list(SAME_CLASS_AS))
+def test_a_config_of_its_own_over_another_familys_class_generates_as_eager(model_type):
+    """``sarvam_mla`` has its own configuration class and Transformers builds ``DeepseekV3ForCausalLM`` from it:
+    it loads with flashinfer_mla (it was refused: not a known model type) and generates eager's tokens."""
+    from conftest import left_padded_batch
+
+    config = transformers.CONFIG_MAPPING[model_type](**FAMILIES[SAME_CLASS_AS[model_type]][1])
+    ids, mask, _ = left_padded_batch()
+    outs = {}
+    for attn in ("flashinfer_mla", "eager"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32,
+                                                              experts_implementation="eager").eval()
+        outs[attn] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(outs["flashinfer_mla"].sequences, outs["eager"].sequences)
+    assert rel_err(torch.stack(outs["flashinfer_mla"].logits), torch.stack(outs["eager"].logits)) < 1e-5
 
 
 def test_tiny_config_keeps_the_family_structure(model_type):
