@@ -29,6 +29,7 @@ other reader (prefill, the reference backend, other GPUs) dequantizes what it re
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import weakref
@@ -404,6 +405,15 @@ class MLALatentCache(DynamicCache):
         adopt_latent_layers(self, packed, dtype, scales)
         self._config = None if config is None else config.get_text_config(decoder=True)
         self._checked: set[int] = set()
+
+    def __deepcopy__(self, memo):
+        # A copy (Transformers' recipe for reusing a prompt's cache) serves the same model: it shares its config,
+        # whose attention implementation `update` reads now, not when the copy was taken.
+        if self._config is not None:
+            memo[id(self._config)] = self._config
+        new = memo[id(self)] = type(self).__new__(type(self))
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx not in self._checked:

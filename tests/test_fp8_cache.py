@@ -147,3 +147,26 @@ def test_a_batch_the_cache_does_not_hold_is_refused():
     for tokens in (3, 600):  # within the capacity, and past it
         with pytest.raises(CacheLayoutError, match="holds 1 sequences and this forward brings 2"):
             layer.update(torch.randn(2, 1, tokens, 32), torch.randn(2, 1, tokens, 8))
+
+
+@torch.no_grad()
+def test_a_copied_fp8_cache_reads_the_models_implementation_when_it_is_used():
+    """Transformers' recipe for reusing a prompt's cache is ``copy.deepcopy(cache)``. A copy serves the same model:
+    it checks the attention implementation the model runs when the copy is used, not the one it ran when it was
+    copied (a copy taken while the model ran eager was refused under flashinfer_mla, and one taken under
+    flashinfer_mla and used under eager failed in a matmul instead of the package's error)."""
+    import copy
+
+    from hf_flashinfer_mla import CacheLayoutError
+
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    prefix = torch.randint(1, 90, (1, 10), generator=torch.Generator().manual_seed(3))
+    full = torch.cat([prefix, torch.tensor([[5, 6, 7]])], dim=-1)
+    prompt_cache = model(input_ids=prefix, cache=MLALatentCache(config=model.config, dtype=FP8)).cache
+    expected = model.generate(full, cache=copy.deepcopy(prompt_cache), max_new_tokens=3, do_sample=False)
+    model.set_attn_implementation("eager")
+    taken_under_eager = copy.deepcopy(prompt_cache)
+    with pytest.raises(CacheLayoutError, match="runs 'eager'"):
+        model.generate(full, cache=copy.deepcopy(prompt_cache), max_new_tokens=3, do_sample=False)
+    model.set_attn_implementation("flashinfer_mla")
+    assert torch.equal(model.generate(full, cache=taken_under_eager, max_new_tokens=3, do_sample=False), expected)
