@@ -185,14 +185,19 @@ def refuse_unservable(model) -> None:
 
 
 def disable_graphs(cb_config) -> None:
-    """Continuous batching without CUDA graphs, saying why once: a replayed graph runs no Python, and the paged
-    kernels are planned on the host from each step's lengths."""
-    if any(cb_config.cuda_graph_booleans):
+    """Continuous batching without CUDA graphs and without asynchronous batching, saying why once: a replayed graph
+    runs no Python, and the paged kernels are planned on the host from each step's lengths. Transformers turns
+    asynchronous batching on with the graphs (its default: on where graphs are); it would have the host plan a step
+    while the GPU may still be copying the previous step's schedule from FlashInfer's pinned host buffer, which each
+    ragged-prefill plan rewrites (`kernels/ragged.py`)."""
+    if any(cb_config.cuda_graph_booleans) or cb_config.use_async_batching:
         logger.warning_once(
-            f"flashinfer_mla: continuous batching runs without CUDA graphs for {ATTN_NAME} models: a replayed graph "
-            "runs no Python, and FlashInfer's paged MLA kernels are planned on the host from each step's lengths."
+            f"flashinfer_mla: continuous batching runs without CUDA graphs and without asynchronous batching for "
+            f"{ATTN_NAME} models: a replayed graph runs no Python, and FlashInfer's paged MLA kernels are planned on "
+            "the host from each step's lengths, after the previous step's."
         )
         cb_config.use_cuda_graph = (False, False)
+        cb_config.use_async_batching = False
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -202,6 +202,29 @@ def test_cuda_graphs_turned_off_once(caplog):
     assert len([m for m in package_warnings(caplog) if "without CUDA graphs" in m]) == 1
 
 
+@pytest.mark.parametrize("asked", [None, True])
+def test_a_manager_built_where_graphs_exist_runs_neither_graphs_nor_async_batching(asked, monkeypatch, caplog):
+    """Where a graph backend exists (emulated here: this host has none), Transformers turns CUDA graphs on for a
+    "flash" implementation and asynchronous batching with them, and the package turns graphs off after it: async
+    batching must go too, or the host would plan a step while the GPU may still read the previous one's schedule
+    from FlashInfer's pinned host buffer. Transformers' own resolution decides both on (the fault this guards
+    against); the manager's resolved config has both off, with one warning, whether async was left to Transformers
+    or asked for."""
+    from transformers.generation.continuous_batching import initialization
+
+    monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
+    monkeypatch.setattr(initialization, "resolve_max_memory_percent", lambda **kwargs: None)  # (reads the device)
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    theirs = initialization.resolve_continuous_batching_config(
+        model.config, small_cb(use_async_batching=asked), None, False, device=torch.device("cuda"))
+    assert any(theirs.cuda_graph_booleans) and theirs.use_async_batching is True
+    manager = model.init_continuous_batching(generation_config=greedy(),
+                                             continuous_batching_config=small_cb(use_async_batching=asked))
+    ours = manager.continuous_batching_config
+    assert ours.cuda_graph_booleans == (False, False) and ours.use_async_batching is False
+    assert len([m for m in package_warnings(caplog) if "without asynchronous batching" in m]) == 1
+
+
 def test_forward_without_prepared_step_reads_lengths(monkeypatch):
     """A forward whose step was not laid out by the loop reads its lengths off its own kwargs."""
     model = make_model("deepseek_v3", dtype=torch.float32)
