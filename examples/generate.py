@@ -201,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to run: cpu, cuda or cuda:N (default here: %(default)s)")
     parser.add_argument("--attn", nargs="+", default=["flashinfer_mla", REFERENCE, YARDSTICK], metavar="IMPL",
-                        help="attention implementations to run, compared with eager "
-                             f"(default: {' '.join(['flashinfer_mla', REFERENCE, YARDSTICK])})")
+                        help="attention implementations to run, compared with eager when it is listed, otherwise "
+                             f"with the first (default: {' '.join(['flashinfer_mla', REFERENCE, YARDSTICK])})")
     parser.add_argument("--repeats", type=int, default=5, metavar="N",
                         help="timed runs per implementation; the table shows their median (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, metavar="N",
@@ -217,6 +217,14 @@ def main(argv=None) -> int:
         fail("--max-new-tokens must be at least 2 (a decode step needs a token after the prefill's)")
     if args.repeats < 1 or args.warmup < 0:
         fail("--repeats must be at least 1 and --warmup at least 0")
+    if args.fp8_cache and "flashinfer_mla" not in args.attn:
+        fail("--fp8-cache gives flashinfer_mla the FP8 latent cache: add flashinfer_mla to --attn")
+    from transformers import AttentionInterface
+
+    unknown = [a for a in args.attn if a not in ("eager", *AttentionInterface._global_mapping)]
+    if unknown:
+        fail(f"--attn {' '.join(unknown)}: not an attention implementation; choose among eager, "
+             f"{', '.join(sorted(AttentionInterface._global_mapping))}")
     device = parse_device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
 

@@ -113,6 +113,20 @@ def test_a_device_this_machine_lacks_is_one_line_and_exit_2(which, device, capsy
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--attn", "bogus"], "--attn bogus: not an attention implementation; choose among eager, "),
+    (["--attn", "sdpa", "--fp8-cache"], "--fp8-cache gives flashinfer_mla the FP8 latent cache: add flashinfer_mla"),
+], ids=["unknown-attn", "fp8-cache-without-flashinfer_mla"])
+def test_the_examples_bad_options_are_one_line_and_exit_2(args, says, capsys):
+    """An implementation name nobody registered (it ended in Transformers' traceback, whose list of names lacks
+    flashinfer_mla), and --fp8-cache with no flashinfer_mla to give it to (it was ignored): one line, exit 2."""
+    status, out, err = _exit(_example().main, args, capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"python examples/generate.py: error: {says}"), err
+    if "bogus" in args:
+        assert "flashinfer_mla" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("command", [[str(EXAMPLE)], ["-m", "hf_flashinfer_mla"]], ids=["example", "cli"])
 def test_device_cuda_without_cuda_as_the_user_sees_it(command):
