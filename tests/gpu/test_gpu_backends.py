@@ -606,7 +606,14 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch)
     """generate(cache_implementation="static") compiles the decode step itself; with CUDA graphs (replays) it
     produces exactly what the same compiled step produces without graphs (every step planned and launched). The
     graphs' slots are reloaded before every replay without a device sync (sync debug mode "error" around
-    ``StepPlan.load_graph_slots``, which the mask function calls outside the compiled region)."""
+    ``StepPlan.load_graph_slots``, which the mask function calls outside the compiled region).
+
+    Both runs compile under inductor's deterministic mode. Otherwise each compile benchmarks its reduction kernels'
+    block sizes on the GPU and keeps the fastest, and those sizes change the bf16 rounding (torch's own comment in
+    ``triton_heuristics``: "those knobs shift numerics"). Under a loaded GPU (the suite's four workers) the two
+    compiles then pick differently now and then, and a near tie flips a greedy token: once in twelve runs on
+    2026-12-02, only in the last two tokens of one row. Deterministic mode picks the same kernels for both, so any
+    difference left is the package's."""
     _available("fa3")
     from transformers import CompileConfig
 
@@ -626,23 +633,31 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch)
 
     monkeypatch.setattr(StepPlan, "load_graph_slots", strict_load)
     runs = {}
-    for mode in ("default", "reduce-overhead"):
-        torch._dynamo.reset()
-        runs[mode] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                                    cache_implementation="static", compile_config=CompileConfig(mode=mode),
-                                    output_logits=True, return_dict_in_generate=True)
-    assert hf_flashinfer_mla.captured_shapes() and max(planned) > 0  # slots of the step's shape existed and were reloaded, sync-free
-    err = rel(torch.stack(runs["reduce-overhead"].logits), torch.stack(runs["default"].logits))
-    print(f"generate with CUDA graphs vs compiled without: logits rel err {err:.2e}")
-    # No recompilation per step or per call: a further 24-step generate compiles no new graph.
-    from torch._dynamo.utils import counters
+    with torch._inductor.config.patch(deterministic=True):  # (raises on a torch without this mode)
+        for mode in ("default", "reduce-overhead"):
+            torch._dynamo.reset()
+            runs[mode] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                        cache_implementation="static", compile_config=CompileConfig(mode=mode),
+                                        output_logits=True, return_dict_in_generate=True)
+        assert hf_flashinfer_mla.captured_shapes() and max(planned) > 0  # slots of the step's shape existed and were reloaded, sync-free
+        graphed, plain = torch.stack(runs["reduce-overhead"].logits), torch.stack(runs["default"].logits)  # [T, B, V]
+        err = rel(graphed, plain)
+        print(f"generate with CUDA graphs vs compiled without: logits rel err {err:.2e}")
+        # No recompilation per step or per call: a further 24-step generate compiles no new graph.
+        from torch._dynamo.utils import counters
 
-    compiled = counters["stats"]["unique_graphs"]
-    again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                           cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
+        compiled = counters["stats"]["unique_graphs"]
+        again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                               cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
     assert counters["stats"]["unique_graphs"] == compiled
     assert torch.equal(again, runs["reduce-overhead"].sequences)
-    assert torch.equal(runs["reduce-overhead"].sequences, runs["default"].sequences)
-    assert err < 1e-3
+    # Where the runs part, the first step whose logits differ at all, and by how much (a near tie that flipped, or
+    # a wrong step).
+    differs = [t for t in range(graphed.shape[0]) if not torch.equal(graphed[t], plain[t])]
+    where = "none" if not differs else (
+        f"step {differs[0]} of {graphed.shape[0]}, rel err {rel(graphed[differs[0]], plain[differs[0]]):.2e}, rows "
+        f"{[b for b in range(graphed.shape[1]) if not torch.equal(graphed[differs[0], b], plain[differs[0], b])]}")
+    assert torch.equal(runs["reduce-overhead"].sequences, runs["default"].sequences), f"first differing logits: {where}"
+    assert err < 1e-3, f"first differing logits: {where}"
     del model
     torch.cuda.empty_cache()
