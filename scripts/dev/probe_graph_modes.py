@@ -8,8 +8,10 @@ only, logits rel err 2.9e-3).
    output that is not bitwise the first fresh one is counted, per step and row.
 2. ``generate``: the test's two compiled generate() calls (mode "default", then "reduce-overhead", after
    ``torch._dynamo.reset()``), `--loops` times, optionally with a checker on every slot run outside a capture
-   (``--check``: the slot's output against a step planned afresh from the mask, bitwise), and per step and row the
-   relative error between the two runs' logits.
+   (``--check``: the slot's output against a step planned afresh from the mask, bitwise), per step and row the
+   relative error between the two runs' logits, and the Triton kernels of one source that the two compiles ran with
+   other launch configs. The flags set inductor's options (see ``--help``); ``--load`` stands in for the GPU suite's
+   other workers.
 
     python scripts/dev/probe_graph_modes.py --part kernel generate --load --out OUT
 """
