@@ -618,8 +618,8 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch)
     Both runs compile with `NO_TIMED_CHOICES`. Otherwise the two compiles may run one RMSNorm reduction with other
     block sizes (R0_BLOCK 2048 in one, 8192 in the other: timed on a loaded GPU, or read from inductor's caches),
     whose bf16 rounding differs now and then in one row, and a near tie later flips a greedy token: twice in
-    fourteen runs of this test on 2026-12-02 (``scripts/dev/probe_graph_modes.py`` found the kernels). With them both compiles run the
-    same kernels, so any difference left is the package's."""
+    fourteen runs of this test on 2026-12-02 (``scripts/dev/probe_graph_modes.py`` found the kernels). With them
+    both compiles run the same kernels, so any difference left is the package's."""
     _available("fa3")
     from transformers import CompileConfig
 
