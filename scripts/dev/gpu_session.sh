@@ -39,6 +39,8 @@
 #   bash scripts/dev/gpu_session.sh hostreplay # host per layer against ab_old/ (old, new), then `replay`
 #   bash scripts/dev/gpu_session.sh hostfn  # host per layer against ab_old/, both timed by this revision's
 #                                           # bench_host.py (the attention function alone too), alternated
+#   bash scripts/dev/gpu_session.sh depth   # the CUDA-graph target cell (V3 shape, 32 x 4k) at 16 and 61 layers
+#                                           # (DeepSeek-V3's depth, dense layers), flashinfer_mla only; then hostfn
 set -uo pipefail
 O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$PWD
@@ -183,6 +185,14 @@ case "$1" in
   hostfn)
     HOST_AB_SCRIPTS=new host_ab 45 old new old2 new2
     echo "== host_ab"; grep -v "^  \|Loading\|warn" "$O/host_ab.txt" | tail -40 ;;
+  depth)  # the per-step host time before a replay is fixed; the kernels grow with the depth
+    cd "$ROOT/scripts"
+    run 100 depth.txt python3 bench_decode.py --graphs --layers 16 --batch 32 --context 4096 --attn flashinfer_mla \
+        --steps 10 --out "$O" --name decode_graphs_16_layers.json
+    run 330 depth.txt python3 bench_decode.py --graphs --layers 61 --batch 32 --context 4096 --attn flashinfer_mla \
+        --steps 10 --out "$O" --name decode_graphs_61_layers.json
+    echo "== depth"; grep -v "^  \|Loading\|warn" "$O/depth.txt" | tail -20
+    (cd "$ROOT" && bash scripts/dev/gpu_session.sh hostfn) ;;
   gen)
     cd "$ROOT/scripts"
     run 330 generate.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
