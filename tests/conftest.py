@@ -270,20 +270,24 @@ def early_eos(model, ids, mask) -> int:
 
 class SecondModelStepper(LogitsProcessor):
     """Steps another model over its own left-padded batch, one forward per call: the prefill at the first call,
-    then one greedy token per call, with its own DynamicCache and its own growing 2D mask. Records that model's
-    last-token logits and returns the scores unchanged (so it must not change the main generation at all)."""
+    then one greedy token per call (or ``forced[:, t]``, to follow another run's `fed` tokens), with its own
+    DynamicCache and its own growing 2D mask. Records that model's last-token logits and the tokens it fed, and
+    returns the scores unchanged (so it must not change the main generation at all)."""
 
-    def __init__(self, model, ids, mask, four_d: bool = False):
-        self.model, self.ids, self.mask, self.four_d = model, ids, mask, four_d
+    def __init__(self, model, ids, mask, four_d: bool = False, forced: torch.Tensor | None = None):
+        self.model, self.ids, self.mask, self.four_d, self.forced = model, ids, mask, four_d, forced
         self.cache = DynamicCache(config=model.config)
         self.logits: list[torch.Tensor] = []
+        self.fed: list[torch.Tensor] = []
 
     def step(self) -> None:
         mask = None
         if not self.logits:
             ids, pos = self.ids, (self.mask.cumsum(-1) - 1).clamp(min=0)
         else:
-            ids = self.logits[-1].argmax(-1, keepdim=True)
+            t = len(self.fed)
+            ids = self.forced[:, t : t + 1] if self.forced is not None else self.logits[-1].argmax(-1, keepdim=True)
+            self.fed.append(ids)
             pos = self.mask.sum(-1, keepdim=True)
             self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=-1)
             # (`four_d`: decode steps get a 4D float mask of the user's own, as eager's masks are)

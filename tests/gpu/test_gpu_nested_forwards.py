@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_backends import DEV, LOGIT_TOL, TOP1_MIN, _available, _compare, _model
+from conftest import SecondModelStepper
+from test_gpu_backends import LOGIT_TOL, TOP1_MIN, _available, _compare, _model
 from test_gpu_graphs import _batch, _Replay
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 import hf_flashinfer_mla
@@ -30,30 +31,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = (37, 20, 64, 5, 48, 12, 26, 3)  # the main batch, left-padded
 NESTED = (9, 30, 3, 21, 14, 2, 27, 6)  # the negative prompts / the second model's batch: other widths and padding
 NEW = 10
-
-
-class _Stepper(LogitsProcessor):
-    """Steps `model` over its own left-padded batch, one forward per call (the prefill at the first, then one token
-    per call: its own argmax, or ``forced[:, t]``), with its own cache; records its last-token logits and the
-    tokens it fed, and returns the scores unchanged."""
-
-    def __init__(self, model, ids, mask, forced=None):
-        self.model, self.ids, self.mask, self.forced = model, ids, mask, forced
-        self.cache = DynamicCache(config=model.config)
-        self.logits, self.fed = [], []
-
-    def __call__(self, input_ids, scores):
-        if not self.logits:
-            ids, pos = self.ids, (self.mask.cumsum(-1) - 1).clamp(min=0)
-        else:
-            t = len(self.fed)
-            ids = self.forced[:, t : t + 1] if self.forced is not None else self.logits[-1].argmax(-1, keepdim=True)
-            pos = self.mask.sum(-1, keepdim=True)
-            self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=-1)
-            self.fed.append(ids)
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache, use_cache=True)
-        self.logits.append(out.logits[:, -1].float())
-        return scores
 
 
 def _guidance(model, ids, mask) -> UnbatchedClassifierFreeGuidanceLogitsProcessor:
@@ -96,7 +73,7 @@ def _run(nested, main, second, cache, nested_mask=None, follow=None):
         recorder = _guidance(main, nested_ids, nested_mask)
         extra["guidance_scale"] = 1.5
     else:
-        recorder = _Stepper(second, nested_ids, nested_mask, forced=None if follow is None else follow[3])
+        recorder = SecondModelStepper(second, nested_ids, nested_mask, forced=None if follow is None else follow[3])
     processors = [recorder]
     if follow is not None:
         processors.append(_Replay(follow[0][:, width:], width))
