@@ -62,7 +62,16 @@ host_ab() {
     elif [ "${v%2}" = mid ]; then  # a second revision, in ab_mid/, always timed by this revision's bench_host.py
       cd "$ROOT/scripts"; pp=$ROOT/ab_mid:$PYTHONPATH
     else cd "$ROOT/scripts"; pp=$PYTHONPATH; fi
-    PYTHONPATH=$pp python3 -c "import hf_flashinfer_mla; print('$v:', hf_flashinfer_mla.__file__)" >> "$O/host_ab.txt" 2>&1
+    # An A/B with the old revision missing would time this package twice under two names (seen 2026-12-04, on a
+    # checkout without ab_old/): skip the run and say so.
+    local want=$ROOT/hf_flashinfer_mla
+    case "$v" in old*) want=$ROOT/ab_old/hf_flashinfer_mla ;; mid*) want=$ROOT/ab_mid/hf_flashinfer_mla ;; esac
+    local got; got=$(PYTHONPATH=$pp python3 -c "import hf_flashinfer_mla, os; print(os.path.dirname(hf_flashinfer_mla.__file__))" 2>&1)
+    echo "$v: $got" >> "$O/host_ab.txt"
+    if [ "$got" != "$want" ]; then
+      echo "$v: SKIPPED, imported $got instead of $want (for old/mid: git archive REV hf_flashinfer_mla scripts | tar x -C ${want%/hf_flashinfer_mla})" | tee -a "$O/host_ab.txt"
+      continue
+    fi
     PYTHONPATH=$pp run "$limit" host_ab.txt python3 bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
       --attn flashinfer_mla --steps 10 --out "$O" --name "host_${v}.json"
     echo "== $v" >> "$O/host_ab.txt"
