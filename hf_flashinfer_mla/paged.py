@@ -2,9 +2,11 @@
 attention over it.
 
 Transformers' continuous batching (``generate_batch``, ``init_continuous_batching``, ``transformers serve``) keeps
-every request's cache in one paged tensor whose full-attention allocator sizes a token as ``(2, num_key_value_heads,
-head_dim)``, per-head keys and values. An MLA layer writes one latent row per token (``kv_lora_rank + rope`` values,
-576 for DeepSeek), so in Transformers 5.24 the first cache write fails and every request ends FAILED. Here:
+every request's cache in one paged tensor. Up to 5.24 its full-attention allocator sizes a token as ``(2,
+num_key_value_heads, head_dim)``, per-head keys and values, while an MLA layer writes one latent row per token
+(``kv_lora_rank + rope`` values, 576 for DeepSeek): the first cache write fails and every request ends FAILED. 5.25
+adds an MLA allocator with the same rows (`MLACacheAllocator`), which gathers each step's rows and hands them to the
+model's own expansion. Here, on either version:
 
 * `LatentAllocator`: Transformers' own full-attention allocator (block tables, read/write indices, prefix sharing,
   forks, offloading: all unchanged) over rows of ``kv_lora_rank + rope`` values, one row per token and layer. The
@@ -120,15 +122,25 @@ class LatentAllocator(FullAttentionCacheAllocator):
         raise NotImplementedError("the paged latent cache has no per-head K/V pages for flash_attn_with_kvcache")
 
 
-class FullOrLatentAllocator(FullAttentionCacheAllocator):
-    """The full-attention allocator Transformers' paged cache builds (``registration.py`` puts this class in its
-    module-level table, once): a `LatentAllocator` for a cache sized by `LatentSizing` (a dense MLA model on this
-    package), Transformers' own for any other. One class, never swapped in and out, so caches built at the same
-    time in two threads each get theirs; its class attributes are the parent's, as Transformers reads them."""
+# Transformers 5.25+ builds MLA layers' pages with its own allocator, named in its cache module (None before).
+TRANSFORMERS_MLA_ALLOCATOR = getattr(cb_cache, "MLACacheAllocator", None)
+
+
+def latent_or(base: type) -> type:
+    """The allocator class Transformers' paged cache should build where it would build `base` (``registration.py``
+    puts it in place of `base`, once: in the module-level table for the full-attention allocator, and in place of
+    5.25's `MLACacheAllocator`): a `LatentAllocator` for a cache sized by `LatentSizing` (a dense MLA model on this
+    package), `base` itself for any other. One class, never swapped in and out, so caches built at the same time in
+    two threads each get theirs; its class attributes are `base`'s, as Transformers reads them."""
 
     def __new__(cls, **kwargs):
         latent = isinstance(kwargs.get("config"), LatentSizing)
-        return (LatentAllocator if latent else FullAttentionCacheAllocator)(**kwargs)
+        return (LatentAllocator if latent else base)(**kwargs)
+
+    return type(f"LatentOr{base.__name__}", (base,), {"__new__": __new__, "__doc__": latent_or.__doc__})
+
+
+FullOrLatentAllocator = latent_or(FullAttentionCacheAllocator)
 
 
 def allocator_of(latent: torch.Tensor) -> LatentAllocator | None:
@@ -163,12 +175,14 @@ def refuse_unservable(model) -> None:
         )
     if model_type not in DENSE_MLA_MODEL_TYPES:
         return  # not an MLA model: Transformers' own business
-    if impl != ATTN_NAME:
+    if impl != ATTN_NAME and TRANSFORMERS_MLA_ALLOCATOR is None:
         raise UnsupportedModelError(
             f'continuous batching cannot serve model_type "{model_type}" with attn_implementation={impl!r}: its '
             "layers cache the MLA latent, which Transformers' paged cache (sized for per-head keys and values) cannot "
             f'hold. Load it with attn_implementation="{ATTN_NAME}" (import hf_flashinfer_mla), or use generate().'
         )
+    if impl != ATTN_NAME:
+        return  # Transformers 5.25+ pages the latent itself and expands it for eager/sdpa/flash
     unknown = sorted(set(getattr(config, "layer_types", None) or ()) - {FULL_ATTENTION})
     if unknown:
         raise UnsupportedModelError(
@@ -182,6 +196,27 @@ def refuse_unservable(model) -> None:
             f"continuous batching with {ATTN_NAME} under tensor parallelism is not supported: every rank would need "
             "the whole latent, which Transformers' paged cache shards by key-value heads. Use generate()."
         )
+
+
+def refuse_kept_cache(model, manager) -> None:
+    """Raise where a manager kept with ``persistent_manager=True`` holds a paged cache built for another attention
+    than the model's now: this package's latent rows read by eager/sdpa (Transformers' own attention would take the
+    layer's whole rows for the request's), or, from Transformers 5.25, Transformers' own MLA rows read by this
+    package's paged attention. Its next run would otherwise return wrong tokens or fail every request."""
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    if cache is None:
+        return
+    kept_latent = any(isinstance(a, LatentAllocator) for a in cache.cache_allocators.values())
+    if kept_latent == bool(uses_latent(model.config.get_text_config())):
+        return
+    built_for = ATTN_NAME if kept_latent else "another attention implementation"
+    raise UnsupportedModelError(
+        f"this model's kept continuous-batching manager (persistent_manager=True) holds a paged cache built for "
+        f"{built_for}, and the model now runs attn_implementation={model.config._attn_implementation!r}. Switch "
+        f'back (attn_implementation="{ATTN_NAME}" for the latent cache), or call model.destroy_cached_continuous_'
+        "batching_manager() (or generate_batch without persistent_manager) so that a new manager builds a cache "
+        "for the attention of the moment."
+    )
 
 
 def disable_graphs(cb_config) -> None:

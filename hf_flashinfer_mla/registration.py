@@ -264,8 +264,8 @@ def _slots_checked_before_compiled_steps(original):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Continuous batching (generate_batch, init_continuous_batching, transformers serve) over the paged latent cache:
-# the logic lives in paged.py; these four wrappers and the allocator table's entry are the seams where Transformers
-# 5.24 offers no hook.
+# the logic lives in paged.py; these four wrappers, the allocator table's entry and (5.25+) the cache module's
+# MLACacheAllocator name are the seams where Transformers offers no hook.
 # ----------------------------------------------------------------------------------------------------------------
 def _manager_checked(original):
     # The manager is built in the caller's thread, before the background loop: the one place where a model continuous
@@ -286,10 +286,14 @@ def _cached_manager_checked(original):
     # A manager kept with persistent_manager=True is handed out again without being built, so its check never runs
     # again: a model switched to another attention since (eager, sdpa) would read the cached latent rows as per-head
     # keys and values and return wrong tokens. The check runs here too.
+    # The manager also keeps its paged cache, built for the attention of its first run: from 5.25, where eager and
+    # sdpa page the latent too, that is checked as well (paged.refuse_kept_cache).
     @functools.wraps(original)
     def init_continuous_batching(self, *args, **kwargs):
-        if getattr(self, "_cached_continuous_batching_manager", None) is not None:
+        manager = getattr(self, "_cached_continuous_batching_manager", None)
+        if manager is not None:
             paged.refuse_unservable(self)
+            paged.refuse_kept_cache(self, manager)
         return original(self, *args, **kwargs)
 
     return init_continuous_batching
@@ -328,6 +332,11 @@ def _register_continuous_batching() -> None:
     _patch(continuous_api.ContinuousMixin, "init_continuous_batching", _cached_manager_checked)
     _patch(cb_cache.PagedAttentionCache, "__init__", _latent_paged_cache)
     cb_cache.ATTN_TYPE_TO_ALLOCATOR[paged.FULL_ATTENTION] = paged.FullOrLatentAllocator
+    if paged.TRANSFORMERS_MLA_ALLOCATOR is not None and not hasattr(cb_cache.MLACacheAllocator, "__wrapped__"):
+        # 5.25's PagedAttentionCache._create_allocator picks this name from its module for any config with a
+        # kv_lora_rank, before the table: our sizing view has one, so the latent rows must come from here too.
+        cb_cache.MLACacheAllocator = paged.latent_or(paged.TRANSFORMERS_MLA_ALLOCATOR)
+        cb_cache.MLACacheAllocator.__wrapped__ = paged.TRANSFORMERS_MLA_ALLOCATOR
     _patch(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", _paged_steps)
 
 

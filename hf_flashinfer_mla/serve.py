@@ -1,10 +1,12 @@
 """``python -m hf_flashinfer_mla.serve``: Transformers' own ``transformers serve`` with ``flashinfer_mla`` registered.
 
-``transformers serve`` (Transformers 5.24) accepts only ``eager``, ``sdpa``, ``flash_attention_2/3``,
-``flex_attention`` or a Hub kernel id, and runs in a process that never imports this package. This wrapper is the
-thinnest way in: it imports the package (which registers the implementation and continuous batching's paged latent
-cache), lets Transformers' `ModelManager` accept the name, and starts Transformers' own CLI with the same options.
-Three additions, all for MLA checkpoints:
+``transformers serve`` accepts only ``eager``, ``sdpa``, ``flash_attention_2/3``, ``flex_attention`` or a Hub kernel
+id, and runs in a process that never imports this package. This wrapper is the thinnest way in: it imports the
+package (which registers the implementation and continuous batching's paged latent cache), lets Transformers' model
+loader accept the name, and starts Transformers' own CLI with the same options. The loader is `ModelManager` up to
+Transformers 5.24 and `ModelLoader` from 5.25, where each model loads in a process of its own, spawned: the loader
+is pickled there, and unpickling `MLAModelLoader` imports this module, so the model's process registers
+``flashinfer_mla`` too. Three additions, all for MLA checkpoints:
 
 * ``--attn-implementation`` defaults to ``flashinfer_mla`` (any other value is passed through unchanged);
 * with ``--continuous-batching``, a model continuous batching cannot serve (see ``paged.refuse_unservable``) fails
@@ -19,35 +21,55 @@ from __future__ import annotations
 
 import sys
 
+from transformers.cli.serving import model_manager as _transformers_model_manager
+
 from . import paged
 from .models import ATTN_NAME
 
 
+class _AcceptsFlashinferMLA:
+    """What both loaders need: Transformers checks the name against a fixed set (everything else it checks is
+    kept), and a model continuous batching cannot serve is refused as it loads."""
+
+    def _validate_args(self):
+        implementation = self.attn_implementation
+        if implementation == ATTN_NAME:
+            self.attn_implementation = None
+        try:
+            super()._validate_args()
+        finally:
+            self.attn_implementation = implementation
+
+    def _load_model(self, *args, **kwargs):
+        model = super()._load_model(*args, **kwargs)
+        if self._flashinfer_mla_cb:
+            paged.refuse_unservable(model)
+        return model
+
+
+# Transformers 5.25+: the loader is its own class, pickled to each model's process; up to 5.24 (None here)
+# ModelManager loads the models itself.
+_ModelLoader = getattr(_transformers_model_manager, "ModelLoader", None)
+
+if _ModelLoader is not None:
+
+    class MLAModelLoader(_AcceptsFlashinferMLA, _ModelLoader):
+        """Transformers' `ModelLoader`, accepting ``flashinfer_mla`` and checking continuous batching at load (in
+        the model's process: the refusal becomes the engine's fatal error, which stops the server at start)."""
+
+        def __init__(self, *args, continuous_batching: bool = False, **kwargs):
+            self._flashinfer_mla_cb = continuous_batching
+            super().__init__(*args, continuous_batching=continuous_batching, **kwargs)
+
+
 def _model_manager_class():
+    """Transformers 5.24's `ModelManager`, accepting ``flashinfer_mla`` and checking continuous batching at load."""
     from transformers.cli.serving.model_manager import ModelManager
 
-    class MLAModelManager(ModelManager):
-        """Transformers' `ModelManager`, accepting ``flashinfer_mla`` and checking continuous batching at load."""
-
+    class MLAModelManager(_AcceptsFlashinferMLA, ModelManager):
         def __init__(self, *args, continuous_batching: bool = False, **kwargs):
             self._flashinfer_mla_cb = continuous_batching  # (set first: the forced model loads inside __init__)
             super().__init__(*args, continuous_batching=continuous_batching, **kwargs)
-
-        def _validate_args(self):
-            # Transformers checks the name against a fixed set; everything else it checks is kept.
-            implementation = self.attn_implementation
-            if implementation == ATTN_NAME:
-                self.attn_implementation = None
-            try:
-                super()._validate_args()
-            finally:
-                self.attn_implementation = implementation
-
-        def _load_model(self, *args, **kwargs):
-            model = super()._load_model(*args, **kwargs)
-            if self._flashinfer_mla_cb:
-                paged.refuse_unservable(model)
-            return model
 
     return MLAModelManager
 
@@ -78,8 +100,14 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--attn-implementation" or a.startswith("--attn-implementation=") for a in argv):
         argv += ["--attn-implementation", ATTN_NAME]
-    # `Serve` imports ModelManager from this module when it starts: it gets the subclass.
-    model_manager.ModelManager = _model_manager_class()
+    # `Serve` imports its loader from this module when it starts: it gets the subclass.
+    if _ModelLoader is not None:
+        # (the class of the importable module, not of ``__main__``: the model's process unpickles it by name)
+        from hf_flashinfer_mla import serve
+
+        model_manager.ModelLoader = serve.MLAModelLoader
+    else:
+        model_manager.ModelManager = _model_manager_class()
     _require_messages()
     from transformers.cli.transformers import app
 

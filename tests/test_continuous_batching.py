@@ -139,10 +139,19 @@ def test_hybrids_refused_at_generate_batch(model_type):
         model.generate_batch(prompts((3, 4)), generation_config=greedy(), continuous_batching_config=small_cb())
 
 
-def test_mla_on_other_implementations_refused():
+def test_mla_on_other_implementations_refused_or_served_by_transformers(steps):
+    """Up to Transformers 5.24 its paged cache cannot hold the latent: an MLA model on sdpa is refused in the caller's
+    thread, naming the fix. From 5.25 Transformers pages the latent itself (`MLACacheAllocator`) and expands it for
+    sdpa: served, with eager's tokens, and none of this package's paged steps ran."""
     model = make_model("deepseek_v3", attn="sdpa", dtype=torch.float32)
-    with pytest.raises(UnsupportedModelError, match='attn_implementation="flashinfer_mla"'):
-        model.generate_batch(prompts((3, 4)), generation_config=greedy(), continuous_batching_config=small_cb())
+    batch = prompts((3, 4))
+    if paged.TRANSFORMERS_MLA_ALLOCATOR is None:
+        with pytest.raises(UnsupportedModelError, match='attn_implementation="flashinfer_mla"'):
+            model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+        return
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert not steps
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
 
 
 def test_sparse_refused():
@@ -180,11 +189,14 @@ def test_cache_sized_from_latent_bytes():
     assert isinstance(allocator, paged.LatentAllocator)
     assert allocator.bytes_per_page == 4 * 576 * 2  # page_size x latent row x bf16
     config._attn_implementation = "sdpa"
-    per_head = _paged_cache(config).cache_allocators["full_attention"]
-    assert per_head.bytes_per_page / allocator.bytes_per_page == pytest.approx(2 * 128 * 64 / 576)
-    # Transformers' own sizing counts the latent's bytes: the same number of blocks takes that much less memory.
-    ratio = _paged_cache(config).cache_tensor.numel() / cache.cache_tensor.numel()
-    assert ratio == pytest.approx(2 * 128 * 64 / 576)
+    # Up to Transformers 5.24 its own cache sizes per-head K/V; from 5.25 it pages the latent too (its MLA allocator).
+    per_token = 576 if paged.TRANSFORMERS_MLA_ALLOCATOR is not None else 2 * 128 * 64
+    own = _paged_cache(config)
+    assert not isinstance(own.cache_allocators["full_attention"], paged.LatentAllocator)
+    assert own.cache_allocators["full_attention"].bytes_per_page / allocator.bytes_per_page == pytest.approx(
+        per_token / 576)
+    # The sizing counts bytes: the same number of blocks takes that much less memory.
+    assert own.cache_tensor.numel() / cache.cache_tensor.numel() == pytest.approx(per_token / 576)
 
 
 def test_odd_latent_width_rounds_up():
@@ -266,9 +278,9 @@ def test_forked_requests_of_a_one_token_prompt_get_every_sequence():
 
 @pytest.mark.parametrize("other", ["eager", "sdpa"])
 def test_a_persistent_manager_refuses_a_model_switched_to_another_attention(other):
-    """A manager kept with ``persistent_manager=True`` is handed out again without being built; its cache holds latent
-    rows, which eager or sdpa would read as per-head keys and values. After the switch the next call raises, as a
-    new manager does, instead of returning other tokens."""
+    """A manager kept with ``persistent_manager=True`` is handed out again without being built, with its paged cache
+    of latent rows, which eager or sdpa would read wrongly (seen with Transformers 5.25, which pages the latent for
+    them: other tokens, silently). After the switch the next call raises instead, naming the fix."""
     model = make_model("deepseek_v3", dtype=torch.float32)
     batch = prompts((7, 9))
     model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb(),
@@ -278,6 +290,24 @@ def test_a_persistent_manager_refuses_a_model_switched_to_another_attention(othe
         model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb(),
                              persistent_manager=True)
     model.set_attn_implementation("flashinfer_mla")  # and back: the kept manager serves again
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+
+
+def test_a_persistent_manager_built_on_sdpa_refuses_a_switch_to_flashinfer_mla():
+    """From Transformers 5.25 an MLA model on sdpa is served with Transformers' own latent rows; a manager kept from
+    such a run, handed to the model switched to flashinfer_mla, raises instead of failing every request."""
+    if paged.TRANSFORMERS_MLA_ALLOCATOR is None:
+        pytest.skip("Transformers 5.24 and older do not page an MLA model on sdpa (refused above)")
+    model = make_model("deepseek_v3", attn="sdpa", dtype=torch.float32)
+    batch = prompts((7, 9))
+    model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb(),
+                         persistent_manager=True)
+    model.set_attn_implementation("flashinfer_mla")
+    with pytest.raises(UnsupportedModelError, match="another attention implementation"):
+        model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb(),
+                             persistent_manager=True)
+    model.destroy_cached_continuous_batching_manager()  # the fix the error names: a new manager serves
     out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
 

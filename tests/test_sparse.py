@@ -79,11 +79,18 @@ def test_chunked_prefill_matches_eager(dsa_type):
     assert max(rel_err(a, b) for a, b in zip(ours.logits, ref.logits)) < TOL32
 
 
+def has_linear_attention(model) -> bool:
+    """Whether the model has linear-attention (recurrent) layers: Transformers' `_is_stateful` flag up to 5.24, its
+    layer types from 5.25 (which dropped the flag)."""
+    return getattr(model, "_is_stateful", False) or "linear_attention" in (
+        getattr(model.config.get_text_config(), "layer_types", None) or ())
+
+
 def test_prompt_lookup_verifies_several_tokens_per_step(dsa_type):
     """Prompt-lookup decoding checks up to 3 drafted tokens per forward: decode steps of q_len > 1."""
     model = make_model(dsa_type, dtype=torch.float32)
-    if model._is_stateful:  # GLM-5-next's linear-attention layers: Transformers refuses assisted decoding for them
-        pytest.skip(f"Transformers has no assisted decoding for stateful models ({type(model).__name__})")
+    if has_linear_attention(model):  # GLM-5-next: Transformers refuses assisted decoding (recurrent state)
+        pytest.skip(f"Transformers has no assisted decoding for linear-attention layers ({type(model).__name__})")
     g = torch.Generator().manual_seed(3)
     motif = torch.randint(1, VOCAB, (4,), generator=g)
     ids = torch.cat([motif, motif, motif, motif[:2]])[None]  # repetitive, so drafts are found
@@ -106,7 +113,7 @@ def test_additive_masks_keep_their_bias_in_decode_and_in_longer_chunks(dsa_type)
     """4D float masks with an ALiBi-like bias, in decode steps (the selected rows' bias added to their scores) and in
     a chunk of 9 tokens (the selection folded into the float mask, which keeps its bias): eager's logits."""
     model = make_model(dsa_type, dtype=torch.float64)
-    if model._is_stateful or "sliding_attention" in getattr(model.config, "layer_types", ()):
+    if has_linear_attention(model) or "sliding_attention" in getattr(model.config, "layer_types", ()):
         pytest.skip("Transformers' own eager fails on a user's 4D mask here (sliding-window layers reject it; "
                     "linear-attention layers give NaN in float64)")
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -125,7 +132,7 @@ def test_a_mask_per_head_reaches_each_head_in_sparse_decode(dsa_type):
     """A 4D mask with a row per head (head h also hides position h): each head of a sparse decode step attends over
     its own row at the selected positions, as eager applies it."""
     model = make_model(dsa_type, dtype=torch.float64)
-    if model._is_stateful or "sliding_attention" in getattr(model.config, "layer_types", ()):
+    if has_linear_attention(model) or "sliding_attention" in getattr(model.config, "layer_types", ()):
         pytest.skip("Transformers' own eager fails on a user's 4D mask here")
     heads = model.config.get_text_config().num_attention_heads
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))

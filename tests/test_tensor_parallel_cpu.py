@@ -9,8 +9,9 @@ For each of the ten dense MLA families (the small random models of `conftest.FAM
 DeepSeek-V3 and Mistral 4 with attention sharded through a plan override (`tp_parity.mla_attention_tp_plan`):
 flashinfer_mla on two ranks equals flashinfer_mla and sdpa on one rank (teacher-forced logits over a left-padded
 batch; greedy tokens), every rank ends with the same logits, and the attention saw the rank's share of the heads:
-half of them where the plan shards attention (deepseek_v2, glm4_moe_lite, minicpm3, longcat_flash as shipped), all
-of them where it replicates attention (the other six). Eager is not the oracle here: its softmax runs in float32,
+half of them where the plan shards attention (deepseek_v2, glm4_moe_lite, minicpm3, longcat_flash as shipped in
+Transformers 5.24; deepseek_v3 and axk1 too from 5.25, read off each config's plan), all of them where it replicates
+attention. Eager is not the oracle here: its softmax runs in float32,
 where float64's masking value becomes -inf, so fully masked left-padding rows turn into NaN, which reaches the
 padded sequences' cached latents. The control rolls the query heads on the two ranks (heads misaligned with their
 ``kv_b_proj`` shard) and must fail the bound.
@@ -26,7 +27,7 @@ import pytest
 import torch
 import torch.distributed
 
-from conftest import FAMILIES, make_model
+from conftest import FAMILIES, make_config, make_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -40,8 +41,17 @@ pytestmark = pytest.mark.skipif(
 TOL = 1e-6  # float64, as in test_models.py
 # Checkpoint names run on two ranks; "@attn-plan" adds head-sharded attention to the plan (prototype).
 TP_RUNS = (*FAMILIES, "deepseek_v3@attn-plan", "mistral4@attn-plan")
-SHARDED_ATTENTION = {"deepseek_v2", "glm4_moe_lite", "minicpm3", "longcat_flash", "deepseek_v3@attn-plan",
-                     "mistral4@attn-plan"}
+
+
+def _shipped_plan_shards_attention(family: str) -> bool:
+    """Whether the family's shipped tp plan shards attention (``kv_b_proj`` colwise): deepseek_v2, glm4_moe_lite,
+    minicpm3 and longcat_flash in Transformers 5.24; deepseek_v3 and the families built on its config from 5.25."""
+    plan = getattr(make_config(family), "base_model_tp_plan", None) or {}
+    return any(key.startswith("layers.*.self_attn.") and key.endswith(".kv_b_proj") for key in plan)
+
+
+SHARDED_ATTENTION = {f for f in FAMILIES if _shipped_plan_shards_attention(f)} | {"deepseek_v3@attn-plan",
+                                                                                  "mistral4@attn-plan"}
 ARGS = ["--device", "cpu", "--dtype", "float64", "--experts-impl", "eager", "--lengths", "7", "4", "9",
         "--steps", "6", "--gen-prompt", "5", "--gen-tokens", "6"]
 
