@@ -141,6 +141,7 @@ def latent_or(base: type) -> type:
 
 
 FullOrLatentAllocator = latent_or(FullAttentionCacheAllocator)
+MLAOrLatentAllocator = None if TRANSFORMERS_MLA_ALLOCATOR is None else latent_or(TRANSFORMERS_MLA_ALLOCATOR)
 
 
 def allocator_of(latent: torch.Tensor) -> LatentAllocator | None:

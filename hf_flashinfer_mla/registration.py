@@ -332,11 +332,10 @@ def _register_continuous_batching() -> None:
     _patch(continuous_api.ContinuousMixin, "init_continuous_batching", _cached_manager_checked)
     _patch(cb_cache.PagedAttentionCache, "__init__", _latent_paged_cache)
     cb_cache.ATTN_TYPE_TO_ALLOCATOR[paged.FULL_ATTENTION] = paged.FullOrLatentAllocator
-    if paged.TRANSFORMERS_MLA_ALLOCATOR is not None and not hasattr(cb_cache.MLACacheAllocator, "__wrapped__"):
+    if paged.MLAOrLatentAllocator is not None:
         # 5.25's PagedAttentionCache._create_allocator picks this name from its module for any config with a
         # kv_lora_rank, before the table: our sizing view has one, so the latent rows must come from here too.
-        cb_cache.MLACacheAllocator = paged.latent_or(paged.TRANSFORMERS_MLA_ALLOCATOR)
-        cb_cache.MLACacheAllocator.__wrapped__ = paged.TRANSFORMERS_MLA_ALLOCATOR
+        cb_cache.MLACacheAllocator = paged.MLAOrLatentAllocator
     _patch(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", _paged_steps)
 
 

@@ -64,9 +64,8 @@ if _ModelLoader is not None:
 
 def _model_manager_class():
     """Transformers 5.24's `ModelManager`, accepting ``flashinfer_mla`` and checking continuous batching at load."""
-    from transformers.cli.serving.model_manager import ModelManager
 
-    class MLAModelManager(_AcceptsFlashinferMLA, ModelManager):
+    class MLAModelManager(_AcceptsFlashinferMLA, _transformers_model_manager.ModelManager):
         def __init__(self, *args, continuous_batching: bool = False, **kwargs):
             self._flashinfer_mla_cb = continuous_batching  # (set first: the forced model loads inside __init__)
             super().__init__(*args, continuous_batching=continuous_batching, **kwargs)
@@ -95,8 +94,6 @@ def _require_messages() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import transformers.cli.serving.model_manager as model_manager
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--attn-implementation" or a.startswith("--attn-implementation=") for a in argv):
         argv += ["--attn-implementation", ATTN_NAME]
@@ -105,9 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         # (the class of the importable module, not of ``__main__``: the model's process unpickles it by name)
         from hf_flashinfer_mla import serve
 
-        model_manager.ModelLoader = serve.MLAModelLoader
+        _transformers_model_manager.ModelLoader = serve.MLAModelLoader
     else:
-        model_manager.ModelManager = _model_manager_class()
+        _transformers_model_manager.ModelManager = _model_manager_class()
     _require_messages()
     from transformers.cli.transformers import app
 

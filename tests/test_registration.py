@@ -12,7 +12,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_flashinfer_mla
-from hf_flashinfer_mla import absorption, attention
+from hf_flashinfer_mla import absorption, attention, paged
 from hf_flashinfer_mla.capabilities import ENV_VAR, requested_backend
 from hf_flashinfer_mla.errors import BackendUnavailableError, CacheLayoutError, UnsupportedModelError
 
@@ -46,6 +46,15 @@ def test_register_is_idempotent():
     make_model("deepseek_v3")
     expand_kv = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention.expand_kv
     assert expand_kv._flashinfer_mla_hook and not hasattr(expand_kv.__wrapped__, "_flashinfer_mla_hook")
+    # Continuous batching's allocators: our stand-ins, each over Transformers' own class (never over itself).
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    assert cb_cache.ATTN_TYPE_TO_ALLOCATOR[paged.FULL_ATTENTION] is paged.FullOrLatentAllocator
+    assert paged.FullOrLatentAllocator.__bases__ == (cb_cache.FullAttentionCacheAllocator,)
+    if paged.TRANSFORMERS_MLA_ALLOCATOR is not None:  # Transformers 5.25+
+        assert cb_cache.MLACacheAllocator is paged.MLAOrLatentAllocator
+        assert paged.MLAOrLatentAllocator.__bases__ == (paged.TRANSFORMERS_MLA_ALLOCATOR,)
+        assert not paged.TRANSFORMERS_MLA_ALLOCATOR.__name__.startswith("LatentOr")
 
 
 def test_switching_back_and_forth_gives_each_implementations_own_result():
