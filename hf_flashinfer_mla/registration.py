@@ -10,8 +10,9 @@ Transformers has no hook to validate a custom implementation against a model, an
 "flash" as a flash-attention kernel to import from the Hub. So ``PreTrainedModel._check_and_adjust_attn_implementation``
 (which ``from_pretrained``, ``from_config`` and ``set_attn_implementation`` all go through) is wrapped once: for
 ``"flashinfer_mla"`` it refuses non-MLA models, hooks ``expand_kv`` and skips the Hub lookup; any other name goes
-to Transformers' own check untouched. ``get_correct_attn_implementation``, which ``set_attn_implementation`` calls
-for sub-models (``{"text_config": "flashinfer_mla"}``), gets the same check.
+to Transformers' own check untouched. ``get_correct_attn_implementation``, through which ``set_attn_implementation``
+sets sub-models (``{"text_config": "flashinfer_mla"}``) up to Transformers 5.24, gets the same check (5.25 checks
+sub-models through the first function).
 
 A forced backend is a runtime setting (``capabilities.py``): ``from_pretrained``/``from_config`` take ``mla_backend=``,
 validate it at the call and keep it on the loaded model's config under a private name that ``to_dict`` (and so
@@ -104,9 +105,10 @@ def _adopt(model: PreTrainedModel, is_init_check: bool, original) -> str:
 
 
 def _checked(original):
-    # Wraps both `_check_and_adjust_attn_implementation` (from_pretrained, from_config, set_attn_implementation) and
-    # `get_correct_attn_implementation`, through which `set_attn_implementation` sets sub-models (a multimodal
-    # model's text model): without the check there, the text model would run flashinfer_mla with expand_kv unhooked.
+    # Wraps both `_check_and_adjust_attn_implementation` (from_pretrained, from_config, set_attn_implementation; from
+    # 5.25 also sub-models) and `get_correct_attn_implementation`, through which `set_attn_implementation` sets
+    # sub-models (a multimodal model's text model) up to 5.24: without the check there, the text model would run
+    # flashinfer_mla with expand_kv unhooked.
     @functools.wraps(original)
     def check(self, attn_implementation, is_init_check=False, **kwargs):
         if attn_implementation != ATTN_NAME:
