@@ -254,7 +254,7 @@ def copy_bandwidth(device: torch.device, mib: int = 4096, iters: int = 10) -> fl
 
 
 def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int, forward=None,
-                 mla_backend: str | None = None) -> dict:
+                 mla_backend: str | None = None, deferred: bool = False) -> dict:
     """Time single-token decode steps from `context` cached tokens on, each driven exactly as generate() drives it:
     ``prepare_inputs_for_generation`` (with a static cache that builds the 4D mask, outside any compiled region),
     the forward, then ``_update_model_kwargs_for_generation``, which grows the 2D mask (and where flashinfer_mla
@@ -264,8 +264,14 @@ def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int
     host-bound step this is the host's time), ``host_ms`` (time until the host had enqueued the step), the
     transient memory peak above weights + cache, and whether the logits were finite. The cache needs room for
     `warmup` + `steps` more tokens; it is cropped back to `context` tokens at the end.
+
+    `deferred` (CUDA): the host waits for the *previous* step instead of this one, as Transformers' own
+    ``DeferredStopCheck`` (5.25, used on MPS only there) makes generate() wait, so the host builds each step while
+    the GPU runs the one before; ``ms`` is then the time between two steps' ends on the GPU (no memory peak).
     """
     device = next(model.parameters()).device
+    if deferred and device.type == "cuda":
+        return _deferred_decode_steps(model, cache, batch, context, warmup, steps, forward or model, mla_backend)
     forward = forward or model
     gen = torch.Generator(device="cpu").manual_seed(batch + context)
     tok = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(device)
@@ -306,6 +312,41 @@ def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int
         "tokens_per_s": batch / (statistics.median(ms) / 1e3),
         "transient_peak_bytes": max(peaks) if peaks[0] is not None else None,
         "logits_finite": finite,
+    }
+
+
+def _deferred_decode_steps(model, cache, batch, context, warmup, steps, forward, mla_backend) -> dict:
+    device = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(batch + context)
+    tok = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(device)
+    mask = torch.ones(batch, context + 1, dtype=torch.long, device=device)
+    extra = {"mla_backend": mla_backend} if mla_backend else {}
+    ends, host = [], []
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    synchronize(device)
+    with torch.inference_mode():
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            inputs = model.prepare_inputs_for_generation(tok, next_sequence_length=1, cache=cache,
+                                                         attention_mask=mask, use_cache=True, logits_to_keep=1)
+            out = forward(**inputs, **extra)
+            host.append((time.perf_counter() - t0) * 1e3)
+            mask = model._update_model_kwargs_for_generation(out, {"attention_mask": mask})["attention_mask"]
+            finite &= torch.isfinite(out.logits).all()  # (read at the end: reading it here would wait)
+            del out
+            ends.append(torch.cuda.Event(enable_timing=True))
+            ends[-1].record()
+            if i:
+                ends[-2].synchronize()  # the previous step, as DeferredStopCheck waits for it
+    synchronize(device)
+    ms = [ends[i - 1].elapsed_time(ends[i]) for i in range(max(warmup, 1), warmup + steps)]
+    host = host[max(warmup, 1):]
+    cache.crop(-(warmup + steps))
+    return {
+        "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_all": ms,
+        "host_ms_median": statistics.median(host), "host_ms_all": host,
+        "tokens_per_s": batch / (statistics.median(ms) / 1e3),
+        "transient_peak_bytes": None, "logits_finite": bool(finite), "deferred": True,
     }
 
 

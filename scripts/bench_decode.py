@@ -7,7 +7,9 @@ times single-token decode steps driven exactly as ``generate()`` drives them (`b
 step adds a token, from ``context`` tokens on; the cache is cropped back after each cell). Caches are what
 ``generate()`` gives each implementation: ``DynamicCache`` for eager/sdpa, ``MLALatentCache`` for flashinfer_mla;
 ``--graphs`` gives all a ``StaticCache`` and compiles the step with CUDA graphs, as
-``generate(..., cache_implementation="static")`` does.
+``generate(..., cache_implementation="static")`` does. ``--stop-check deferred`` adds a row per cell whose host
+waits for the step before instead of each step, as Transformers 5.25's ``DeferredStopCheck`` makes ``generate()``
+wait (on MPS only there): what each step costs when the host builds it while the GPU runs the previous one.
 
 Reported per cell: ms per step (median), tokens/s, the host's share (time until the step was enqueued), transient
 memory above weights + cache, the speed-up over the faster of eager/sdpa, and the bandwidth floor: (weights read
@@ -44,11 +46,14 @@ import torch
 import bench_common as bc
 
 
-def run_cell(model, attn, batch, context, args, device, dtype, floor_bps) -> dict:
-    """Measure one (attn, batch, context); never raises."""
+def cell_mode(args, stop_check: str) -> str:
+    return ("graphs" if args.graphs else "eager") + ("" if stop_check == "sync" else "-deferred")
+
+
+def run_cell(model, attn, batch, context, args, device, dtype, floor_bps, stop_check="sync") -> dict:
+    """Measure one (attn, batch, context, stop check); never raises."""
     config = model.config
-    rec = {"attn": attn, "batch": batch, "context": context, "mode": "graphs" if args.graphs else "eager",
-           "status": "ok"}
+    rec = {"attn": attn, "batch": batch, "context": context, "mode": cell_mode(args, stop_check), "status": "ok"}
     t0 = time.perf_counter()
     cache = forward = None
     try:
@@ -69,7 +74,7 @@ def run_cell(model, attn, batch, context, args, device, dtype, floor_bps) -> dic
             forward = torch.compile(model.__call__, mode="reduce-overhead")  # what generate() compiles
         mla_backend = args.mla_backend if attn == "flashinfer_mla" else None
         rec.update(bc.decode_steps(model, cache, batch, context, warmup, args.steps, forward=forward,
-                                   mla_backend=mla_backend))
+                                   mla_backend=mla_backend, deferred=stop_check == "deferred"))
         if floor_bps:
             floor = (bc.weight_bytes_per_step(model) + bc.latent_bytes(config, batch, context)) / floor_bps * 1e3
             rec.update(floor_ms=floor, x_floor=rec["ms_median"] / floor)
@@ -149,6 +154,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--experts-impl", default=None, help="transformers experts_implementation")
+    p.add_argument("--stop-check", nargs="+", default=["sync"], choices=("sync", "deferred"),
+                   help="how the host waits: for each step (generate() on CUDA), or for the step before it "
+                        "(Transformers' DeferredStopCheck, 5.25: MPS only); each given mode is a row of its own")
     p.add_argument("--steps", type=int, default=10, help="timed decode steps per cell")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps per cell (>= 3 with --graphs)")
     p.add_argument("--no-floor", action="store_true", help="skip the copy-bandwidth measurement")
@@ -185,9 +193,9 @@ def main(argv=None) -> int:
         failed: set = set()
         for batch in args.batch:
             for context in args.context:
-                for attn in args.attn:
+                for attn, stop_check in ((a, s) for s in args.stop_check for a in args.attn):
                     base = {"model": model_name, "attn": attn, "batch": batch, "context": context,
-                            "mode": "graphs" if args.graphs else "eager"}
+                            "mode": cell_mode(args, stop_check)}
                     if fatal:
                         rec = {**base, "status": "error", "skipped": True, "message": f"CUDA lost earlier: {fatal}"}
                     elif deadline.passed():
@@ -197,7 +205,7 @@ def main(argv=None) -> int:
                                "message": "ran out of memory at a smaller batch and context"}
                     else:
                         rec = {"model": model_name, **run_cell(model, attn, batch, context, args, device, dtype,
-                                                               floor_bps)}
+                                                               floor_bps, stop_check)}
                         if rec["status"] == "oom":
                             failed.add((attn, batch, context))
                         fatal = rec["message"] if rec.get("fatal") else fatal

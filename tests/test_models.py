@@ -61,8 +61,8 @@ def test_prompt_lookup_decoding_matches_eager(model_type):
     """Prompt-lookup decoding in every family: each forward verifies up to 3 drafted tokens (decode steps of several
     query tokens) and rejected drafts crop the cache. From Transformers 5.25 this includes the hybrids (kimi_linear,
     bailing_hybrid), whose caches mix the latent layers with linear-attention states: 5.24 refused assisted decoding
-    for them. The oracle is eager in the same mode on the same model (for the hybrids 5.25's eager gives other tokens
-    than its plain greedy decoding, a Transformers matter: the package must give eager's)."""
+    for them. The oracle is eager in the same mode on the same model (5.25's eager gives a small Kimi-Linear other
+    tokens than its plain greedy decoding, in float64 too, a Transformers matter: the package must give eager's)."""
     model = make_model(model_type)
     if getattr(model, "_is_stateful", False):  # (the flag and the refusal went together in 5.25)
         pytest.skip(f"this Transformers refuses assisted decoding for {type(model).__name__}")

@@ -23,6 +23,8 @@ CPU = ["--device", "cpu", "--dtype", "float32"]
      "decode_eager.json"),
     ("bench_decode", ["--model", "tiny", "--batch", "2", "--context", "32", "--steps", "1", "--warmup", "1",
                       "--attn", "flashinfer_mla", "--layout", "transformers"], "decode_eager.json"),
+    ("bench_decode", ["--model", "tiny", "--batch", "2", "--context", "32", "--steps", "1", "--warmup", "1",
+                      "--attn", "flashinfer_mla", "--stop-check", "sync", "deferred"], "decode_eager.json"),
     ("bench_kernel", ["--heads", "2", "--batch", "2", "--context", "64", "--iters", "1", "--warmup", "0",
                       "--backends", "reference", "fa3"], "kernel.json"),
     ("bench_generate", ["--model", "tiny", "--prompt", "8", "--new", "3", "--repeats", "1"], "generate_tiny.json"),
