@@ -23,8 +23,9 @@ package's latent layers, and on Blackwell ``generate()``'s static cache gets pac
 Two patches let a decode step inside ``generate()`` know its rows without a device sync: generate()'s mask update
 hands each 2D mask's `rows.GrowingMask` on to the next, wider mask (and plans the next step there, while the GPU
 runs this one), and Transformers' mask preprocessing carries it over to the boolean copy it makes of the 2D mask
-before calling the mask function. Finally, generate()'s compiled step raises for a step that a CUDA-graph slot of
-its shape cannot serve (a replay cannot switch backends).
+before calling the mask function. generate()'s compiled step raises for a step that a CUDA-graph slot of its shape
+cannot serve (a replay cannot switch backends). And generate() reads its stop condition a step late on CUDA too
+(Transformers' `DeferredStopCheck`, MPS-only there), so the host never waits for the step it just queued.
 
 Continuous batching (``generate_batch``, the manager, ``transformers serve``) gets four wrappers and one table entry,
 in one block at the end: the manager refuses what it cannot serve in the caller's thread (when built, and when a
@@ -35,6 +36,7 @@ each prepared batch hands its host-side lengths to the attention.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, PreTrainedModel, StaticCache, masking_utils
@@ -54,6 +56,10 @@ from .models import ATTN_NAME, check_model_supported, install_latent_hook
 from .plan import plan_of
 from .rows import GrowingMask
 
+try:  # (generate() reading its stop condition a step late: in 5.24 and 5.25, absent from older releases)
+    from transformers.generation.utils import DeferredStopCheck
+except ImportError:
+    DeferredStopCheck = None
 try:  # (Transformers' multi-token prediction, `generate(use_mtp=True)`; absent before it)
     from transformers.modeling_layers import MtpModel
 except ImportError:
@@ -61,6 +67,11 @@ except ImportError:
 
 logger = logging.get_logger("hf_flashinfer_mla")
 PATCHED = "_flashinfer_mla_patch"  # marks the functions this module put into Transformers
+# A cache generate() prepared for a flashinfer_mla model (the attribute's value: True), whose stop check may run a
+# step late on these devices (`_stop_checked_a_step_late`), unless $HF_FLASHINFER_MLA_DEFER_STOP is "0".
+DEFERS_STOP = "_flashinfer_mla_defers_stop"
+DEFERRED_STOP_DEVICES = ("cuda",)
+DEFER_STOP_ENV = "HF_FLASHINFER_MLA_DEFER_STOP"
 
 
 def _text_config_key(config, text_config) -> str:
@@ -177,16 +188,21 @@ def _latent_layers_for_mla(original):
     return __init__
 
 
-def _packed_static_cache_on_blackwell(original):
-    # On Blackwell the static cache generate() builds for cache_implementation="static" gets `MLAStaticLayer`s, the
-    # packed layout trtllm-gen reads inside CUDA graphs. A cache the user passed is left as it is.
+def _caches_for_mla(original):
+    # The cache generate() decodes with is built (or handed over by the user) here, the one place that sees both it
+    # and the model. For a flashinfer_mla model it is marked (`DEFERS_STOP`, re-set by every generate() call that
+    # uses it) as one whose stop check may run a step late (`_stop_checked_a_step_late`). And on Blackwell the
+    # static cache generate() builds for cache_implementation="static" gets `MLAStaticLayer`s, the packed layout
+    # trtllm-gen reads inside CUDA graphs (a cache the user passed keeps its layers).
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # renamed in transformers 5.2x
+        mla = self.config.get_text_config(decoder=True)._attn_implementation == ATTN_NAME
+        if cache is not None:
+            setattr(cache, DEFERS_STOP, mla)
         if (
-            type(cache) is StaticCache and not getattr(cache, "_is_user_defined", False)
-            and self.config.get_text_config(decoder=True)._attn_implementation == ATTN_NAME
+            type(cache) is StaticCache and not getattr(cache, "_is_user_defined", False) and mla
             and packed_layout_for(self.device)
         ):
             for i, layer in enumerate(cache.layers):
@@ -195,6 +211,27 @@ def _packed_static_cache_on_blackwell(original):
         return result
 
     return _prepare_cache_for_generation
+
+
+def _stop_checked_a_step_late(original):
+    # Greedy and sampled generate() read "have all rows stopped?" on the host after every step, so the host waits for
+    # the GPU each step and only then builds the next one: with CUDA graphs the GPU then idles for the host's share of
+    # the step. Transformers (5.24, 5.25) has the cure, `DeferredStopCheck` (read the flag one step late, run one extra
+    # forward when every row has stopped and undo it: tokens, scores, logits, and the cache where it is returned),
+    # but enables it on MPS only ("we should enable it for cuda if we observe perf gains"). On an H200 the gain is
+    # measured (BENCHMARKS.md: a CUDA-graph step at batch 32, 4k, 3.10 -> 2.39 ms at 4 layers, 31.5 -> 28.6 ms at
+    # 61), so for the caches generate() prepared for a flashinfer_mla model it is enabled on CUDA too, under
+    # Transformers' own rules for the rest: never for an assistant, and a returned cache must be croppable.
+    # $HF_FLASHINFER_MLA_DEFER_STOP=0 turns it off (the extra step calls logits processors and stopping criteria
+    # once more; streamers get each token a step later).
+    @functools.wraps(original)
+    def is_supported(device, cache, cache_is_returned, is_assistant):
+        if (device.type in DEFERRED_STOP_DEVICES and not is_assistant and getattr(cache, DEFERS_STOP, False)
+                and os.environ.get(DEFER_STOP_ENV, "1") != "0"):
+            return cache.is_croppable or not cache_is_returned
+        return original(device, cache, cache_is_returned, is_assistant)
+
+    return staticmethod(is_supported)
 
 
 def _growing_masks(original):
@@ -361,7 +398,9 @@ def register() -> None:
     _patch(PreTrainedConfig, "to_dict", _not_serialized)
     _patch(GenerationMixin, "_validate_model_kwargs", _validated_generate_kwargs)
     _patch(DynamicCache, "__init__", _latent_layers_for_mla)
-    _patch(GenerationMixin, "_prepare_cache_for_generation", _packed_static_cache_on_blackwell)
+    _patch(GenerationMixin, "_prepare_cache_for_generation", _caches_for_mla)
+    if DeferredStopCheck is not None:
+        _patch(DeferredStopCheck, "is_supported", _stop_checked_a_step_late)
     _patch(GenerationMixin, "_update_model_kwargs_for_generation", _growing_masks)
     _patch(masking_utils, "_preprocess_mask_arguments", _rows_kept_on_copies)
     _patch(PreTrainedModel, "get_compiled_call", _slots_checked_before_compiled_steps)

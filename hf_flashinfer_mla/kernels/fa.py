@@ -442,7 +442,8 @@ def ahead(meta: FaMetadata, rows: Rows, layer):
         if meta.staging is None:
             meta.staging = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=layer.device.type == "cuda")
         elif meta.staging_read is not None:
-            meta.staging_read.synchronize()  # its last upload, queued before this step's replay: long done
+            meta.staging_read.synchronize()  # its last upload, queued before this step's replay: done once the
+            # GPU has finished the step before, which generate() waits for too (a step late or not)
         plan_info, nbytes = meta.engine.schedule(rows, rows.page_offsets(layer.pitch), meta.causal,
                                                  meta.int_workspace, meta.staging)
     except Refused:

@@ -41,6 +41,10 @@
 #                                           # bench_host.py (the attention function alone too), alternated
 #   bash scripts/dev/gpu_session.sh depth   # the CUDA-graph target cell (V3 shape, 32 x 4k) at 16 and 61 layers
 #                                           # (DeepSeek-V3's depth, dense layers), flashinfer_mla only; then hostfn
+#   bash scripts/dev/gpu_session.sh late    # generate() reading its stop condition a step late against every step
+#                                           # (Transformers 5.24+), real generate() calls: V3 shape at 4 layers,
+#                                           # 32 x 4k, static (sdpa too); V2-Lite static at batch 1 and 8
+#   bash scripts/dev/gpu_session.sh late61  # the same 32 x 4k cell at DeepSeek-V3's depth (61 dense layers)
 set -uo pipefail
 O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$PWD
@@ -208,4 +212,17 @@ case "$1" in
         --attn sdpa flashinfer_mla --repeats 2 --out "$O" --name generate_v2lite_static.json
     host_ab 45 old new old2 new2
     for f in generate host_ab; do echo "== $f"; grep -v "^  \|Loading\|warn" "$O/$f.txt" | tail -40; done ;;
+  late)
+    cd "$ROOT/scripts"
+    run 300 late.txt python3 bench_generate.py --model deepseek-v3-attn --static --prompt 4096 --new 64 --batch 32 \
+        --attn sdpa flashinfer_mla --stop-check every late --repeats 2 --out "$O" --name generate_v3_static.json
+    run 240 late.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
+        --attn sdpa flashinfer_mla --stop-check every late --repeats 2 --out "$O" --name generate_v2lite_static.json
+    echo "== late"; grep -v "^  \|Loading\|warn" "$O/late.txt" | tail -40 ;;
+  late61)
+    cd "$ROOT/scripts"
+    run 560 late61.txt python3 bench_generate.py --model deepseek-v3-attn --layers 61 --static --prompt 4096 \
+        --new 128 --batch 32 --attn flashinfer_mla --stop-check every late --repeats 1 --out "$O" \
+        --name generate_v3_61_layers_static.json
+    echo "== late61"; grep -v "^  \|Loading\|warn" "$O/late61.txt" | tail -20 ;;
 esac

@@ -238,3 +238,55 @@ def test_reset_frees_the_graph_buffers_and_generate_compiles_again():
     assert err < LOGIT_TOL
     del model, first, again
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("cache_implementation", ["static", "dynamic"])
+def test_generate_reading_its_stop_condition_a_step_late_matches_checking_every_step(monkeypatch,
+                                                                                     cache_implementation):
+    """generate() reads "have all rows stopped?" a step late on CUDA for flashinfer_mla models
+    (``registration.py``; ``tests/test_deferred_stop.py`` on the CPU), so the host queues step t + 1, and plans step
+    t + 2, while the GPU still runs step t. A left-padded batch whose rows all stop at eos before max_new_tokens,
+    compiled with CUDA graphs (static) or not (dynamic), on fa3: the same tokens and logits as with
+    ``$HF_FLASHINFER_MLA_DEFER_STOP=0`` (every step checked), the extra step undone (counted), and the returned
+    caches of equal length."""
+    from hf_flashinfer_mla import registration
+
+    DeferredStopCheck = registration.DeferredStopCheck
+    if DeferredStopCheck is None:
+        pytest.skip("this Transformers checks every step")
+    model = _fresh_v3()
+    undone, finish = [], DeferredStopCheck.finish
+
+    def counted(self):
+        undone.append(finish(self))
+        return undone[-1]
+
+    monkeypatch.setattr(DeferredStopCheck, "finish", counted)
+    ids, mask = _batch((20, 13, 41, 7), seed=3)
+    width = ids.shape[1]
+
+    def run(eos=None):
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              eos_token_id=eos, pad_token_id=0, cache_implementation=cache_implementation,
+                              output_logits=True, return_dict_in_generate=True)
+
+    monkeypatch.setenv(registration.DEFER_STOP_ENV, "0")
+    greedy = run().sequences[:, width:]
+    eos = sorted({int(greedy[i, 2 + 2 * i]) for i in range(ids.shape[0])})  # row i stops by step 2 + 2i
+    every = run(eos)
+    assert undone == []
+    monkeypatch.delenv(registration.DEFER_STOP_ENV)
+    late = run(eos)
+    again = run(eos)
+    new = every.sequences.shape[1] - width
+    err, _ = _compare(torch.stack(late.logits, 1), torch.stack(every.logits, 1))
+    print(f"generate() a step late ({cache_implementation}): {new} of 12 new tokens, steps undone {undone}, "
+          f"logits vs every step checked: rel {err:.2e}")
+    assert undone == [1, 1]  # each deferred call ran one step too many and undid it
+    assert new < 12
+    for out in (late, again):
+        assert torch.equal(out.sequences, every.sequences)
+        assert len(out.logits) == new and err < LOGIT_TOL
+        assert int(out.cache.get_seq_length()) == int(every.cache.get_seq_length()) == width + new - 1
+    del model, every, late, again
+    torch.cuda.empty_cache()
