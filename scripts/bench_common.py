@@ -266,8 +266,8 @@ def decode_steps(model, cache, batch: int, context: int, warmup: int, steps: int
     `warmup` + `steps` more tokens; it is cropped back to `context` tokens at the end.
 
     `deferred` (CUDA): the host waits for the *previous* step instead of this one, as Transformers' own
-    ``DeferredStopCheck`` (5.25, used on MPS only there) makes generate() wait, so the host builds each step while
-    the GPU runs the one before; ``ms`` is then the time between two steps' ends on the GPU (no memory peak).
+    ``DeferredStopCheck`` makes generate() wait (5.24+, MPS only there; the package enables it on CUDA for
+    flashinfer_mla models), so the host builds each step while the GPU runs the one before; ``ms`` is then the time between two steps' ends on the GPU (no memory peak).
     """
     device = next(model.parameters()).device
     if deferred and device.type == "cuda":

@@ -8,8 +8,9 @@ step adds a token, from ``context`` tokens on; the cache is cropped back after e
 ``generate()`` gives each implementation: ``DynamicCache`` for eager/sdpa, ``MLALatentCache`` for flashinfer_mla;
 ``--graphs`` gives all a ``StaticCache`` and compiles the step with CUDA graphs, as
 ``generate(..., cache_implementation="static")`` does. ``--stop-check deferred`` adds a row per cell whose host
-waits for the step before instead of each step, as Transformers 5.25's ``DeferredStopCheck`` makes ``generate()``
-wait (on MPS only there): what each step costs when the host builds it while the GPU runs the previous one.
+waits for the step before instead of each step, as Transformers' ``DeferredStopCheck`` makes ``generate()`` wait
+(for flashinfer_mla models on CUDA since the eighteenth session; for other implementations on MPS only): what each
+step costs when the host builds it while the GPU runs the previous one.
 
 Reported per cell: ms per step (median), tokens/s, the host's share (time until the step was enqueued), transient
 memory above weights + cache, the speed-up over the faster of eager/sdpa, and the bandwidth floor: (weights read
@@ -155,8 +156,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--experts-impl", default=None, help="transformers experts_implementation")
     p.add_argument("--stop-check", nargs="+", default=["sync"], choices=("sync", "deferred"),
-                   help="how the host waits: for each step (generate() on CUDA), or for the step before it "
-                        "(Transformers' DeferredStopCheck, 5.25: MPS only); each given mode is a row of its own")
+                   help="how the host waits: for each step, or for the step before it (Transformers' "
+                        "DeferredStopCheck, which generate() uses for flashinfer_mla on CUDA); each given mode "
+                        "is a row of its own")
     p.add_argument("--steps", type=int, default=10, help="timed decode steps per cell")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps per cell (>= 3 with --graphs)")
     p.add_argument("--no-floor", action="store_true", help="skip the copy-bandwidth measurement")
