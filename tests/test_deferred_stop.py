@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import GENERATION_MODES, HYBRIDS, assert_same_outputs, generation_mode, left_padded_batch, make_model, rel_err
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from hf_flashinfer_mla import registration
@@ -155,6 +155,35 @@ def test_rows_all_stopping_at_eos_a_step_late_match_eager(late_stop_on_cpu, cach
                                     return_dict_in_generate=True))
         assert torch.equal(again[0].sequences, again[1].sequences)
         assert rel_err(torch.stack(again[0].logits), torch.stack(again[1].logits)) < 1e-5
+
+
+def test_a_static_cache_of_the_users_own_kept_across_calls_matches_eager(late_stop_on_cpu):
+    """The README's way to keep CUDA graphs replaying across static-cache generate() calls: one `StaticCache`, reset
+    and passed to every call (with cache_implementation="static" Transformers builds a new cache per call, whose
+    tensors may land at other addresses, and CUDA graphs then record again). Over calls with other prompts and
+    paddings whose rows all stop at eos, a step late (a cache of the user's own is returned, so the extra step is
+    cropped off it before the next call resets it): tokens and logits are eager's with a new static cache per call,
+    and the kept cache holds eager's latent rows."""
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    for seed, lengths in ((1, (7, 4, 9)), (2, (3, 11, 6)), (1, (7, 4, 9))):
+        ids, mask, _ = left_padded_batch(seed, lengths)
+        model.set_attn_implementation("eager")
+        eos = every_row_stops_early(model, ids, mask)
+        ref, _ = stop_at_eos(model, ids, mask, eos, "static")
+        model.set_attn_implementation("flashinfer_mla")
+        calls = len(late_stop_on_cpu)
+        cache.reset()
+        ours, _ = stop_at_eos(model, ids, mask, eos, cache=cache)
+        assert late_stop_on_cpu[calls:] == [1]  # one step too many ran, and was undone
+        assert torch.equal(ours.sequences, ref.sequences)
+        assert rel_err(torch.stack(ours.logits), torch.stack(ref.logits)) < 1e-5
+        n = int(ref.cache.get_seq_length())
+        assert ours.cache is cache and int(cache.get_seq_length()) == n == ours.sequences.shape[1] - 1
+        shown = torch.cat([mask, torch.ones(len(lengths), n - ids.shape[1], dtype=mask.dtype)], -1).bool()
+        for kept, fresh in zip(cache.layers, ref.cache.layers):  # (rows of the padding are never read)
+            for a, b in ((kept.keys, fresh.keys), (kept.values, fresh.values)):
+                assert rel_err(a[:, 0, :n][shown], b[:, 0, :n][shown]) < 1e-5
 
 
 def test_a_step_late_is_off_with_the_environment_variable(late_stop_on_cpu, monkeypatch):

@@ -45,6 +45,10 @@
 #                                           # (Transformers 5.24+), real generate() calls: V3 shape at 4 layers,
 #                                           # 32 x 4k, static (sdpa too); V2-Lite static at batch 1 and 8
 #   bash scripts/dev/gpu_session.sh late61  # the same 32 x 4k cell at DeepSeek-V3's depth (61 dense layers)
+#   bash scripts/dev/gpu_session.sh rerecord # why static generate() records CUDA graphs again (probe_rerecord.py):
+#                                           # V3 shape 32 x 4k (flashinfer_mla, sdpa) and V2-Lite batch 8, with a
+#                                           # new cache per call, the cache allocated before the prefill, and one
+#                                           # StaticCache kept across calls
 set -uo pipefail
 O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$PWD
@@ -225,4 +229,19 @@ case "$1" in
         --new 128 --batch 32 --attn flashinfer_mla --stop-check every late --repeats 1 --out "$O" \
         --name generate_v3_61_layers_static.json
     echo "== late61"; grep -v "^  \|Loading\|warn" "$O/late61.txt" | tail -20 ;;
+  rerecord)
+    cd "$ROOT/scripts"
+    for how in new early-init reuse-cache; do
+      flag=; [ "$how" != new ] && flag=--$how
+      mkdir -p "$O/v3_$how" "$O/v2_$how"
+      timeout 200 python3 dev/probe_rerecord.py --model deepseek-v3-attn --layers 4 --batch 32 --prompt 4096 \
+          --new 64 --calls 5 --attn flashinfer_mla sdpa $flag --out "$O/v3_$how" > /dev/null 2>&1
+      timeout 130 python3 dev/probe_rerecord.py --model deepseek-v2-lite --batch 8 --prompt 512 --new 64 \
+          --calls 5 --attn flashinfer_mla $flag --out "$O/v2_$how" > /dev/null 2>&1
+      for d in v3 v2; do  # (the summary only: the whole cudagraph-tree log runs to tens of MB)
+        echo "== $d $how"; awk '/^-- full log --/{exit} {print}' "$O/${d}_$how/probe_rerecord.txt" \
+          | tee "$O/${d}_$how/probe_rerecord_summary.txt" | grep "^=="
+        rm -f "$O/${d}_$how/probe_rerecord.txt"
+      done
+    done ;;
 esac

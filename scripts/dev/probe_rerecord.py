@@ -4,7 +4,19 @@ attention implementation with torch's cudagraph-tree log at DEBUG (``TORCH_LOGS=
 call, its wall time and what the tree did (warm-ups, graphs recorded, and why recorded graphs failed a step's
 checks: the graph input whose address or liveness changed).
 
+It also counts, at each static cache ``generate()`` builds, the earlier ones still alive. ``--early-init``
+allocates a new cache's latent layers where ``generate()`` builds it, before the prefill (Transformers allocates
+them inside the prefill's first layer, where the prefill's activations may already hold the blocks the last call's
+cache freed); ``--reuse-cache`` passes one `StaticCache` of the user's own, reset before every call, as the README
+advises. On an H200 (2026-12-04): DeepSeek-V3's attention shape at batch 32, 4k recorded again in 4 calls of 5 with
+no earlier cache alive, for sdpa too; ``--early-init`` stopped it for sdpa (from the second call) and for
+flashinfer_mla from the third; ``--reuse-cache`` recorded nothing after the first call for both, and for
+DeepSeek-V2-Lite at batch 8, where ``--early-init`` only halved the recordings (other static inputs still moved,
+one of them by 512 bytes: a small tensor, not a cache's keys or values).
+
     python scripts/dev/probe_rerecord.py --model deepseek-v2-lite --batch 1 --calls 4 --out OUT
+    python scripts/dev/probe_rerecord.py --model deepseek-v3-attn --layers 4 --batch 32 --prompt 4096 --new 64 \
+        --calls 5 --attn flashinfer_mla sdpa [--early-init | --reuse-cache] --out OUT
 """
 
 from __future__ import annotations
@@ -13,8 +25,10 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 import torch
+from transformers import StaticCache
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_common as bc  # noqa: E402
@@ -30,6 +44,34 @@ class Collect(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def watch_static_caches(early_init: bool) -> list[int]:
+    """Counts, at each static cache generate() builds, the earlier ones still alive (their tensors keep their
+    addresses, so the new cache lands elsewhere and CUDA graphs record again); with `early_init`, allocates the new
+    cache's latent layers right there, before the prefill's activations can take the blocks an earlier cache
+    freed."""
+    import weakref
+
+    from transformers.generation.utils import GenerationMixin
+
+    made, alive = [], []
+    original = GenerationMixin._prepare_static_cache
+
+    def prepare(self, cache_implementation, batch_size, max_cache_len, *rest, **kwargs):
+        alive.append(sum(ref() is not None for ref in made))
+        cache = original(self, cache_implementation, batch_size, max_cache_len, *rest, **kwargs)
+        made.append(weakref.ref(cache))
+        if early_init:
+            text = self.config.get_text_config(decoder=True)
+            for layer in cache.layers:
+                if not layer.is_initialized:
+                    k = torch.empty(batch_size, 1, 0, text.kv_lora_rank, dtype=self.dtype, device=self.device)
+                    layer.lazy_initialization(k, k.new_empty(batch_size, 1, 0, text.qk_rope_head_dim))
+        return cache
+
+    GenerationMixin._prepare_static_cache = prepare
+    return alive
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="deepseek-v2-lite", choices=bc.MODEL_NAMES)
@@ -40,8 +82,16 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--early-init", action="store_true",
+                   help="allocate each static cache's latent layers when generate() builds the cache, before the "
+                        "prefill (Transformers allocates them lazily, inside the prefill's first layer)")
+    p.add_argument("--reuse-cache", action="store_true",
+                   help="pass generate() one StaticCache of the user's own, reset before every call, instead of "
+                        "cache_implementation='static' (a new cache per call)")
     args = p.parse_args(argv)
     import hf_flashinfer_mla  # noqa: F401
+
+    alive = watch_static_caches(args.early_init)
 
     torch._logging.set_logs(cudagraphs=True)
     collect = Collect()
@@ -56,16 +106,27 @@ def main(argv=None) -> int:
     report = []
     for attn in args.attn:
         model.set_attn_implementation(attn)
+        cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.new) if args.reuse_cache else None
         for call in range(args.calls):
             start = len(collect.lines)
-            seconds = timed_generate(model, ids, args.new, True, device)
+            if cache is None:
+                seconds = timed_generate(model, ids, args.new, True, device)
+            else:
+                t0 = time.perf_counter()
+                with torch.inference_mode():  # (the cache's tensors were made in inference mode)
+                    cache.reset()
+                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                                   min_new_tokens=args.new, do_sample=False, pad_token_id=0, cache=cache)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
             lines = collect.lines[start:]
             # (torch logs "Re-recording" for every recorded graph whose invariants a step fails, also when another
             # recorded graph then matches: "Recording" counts the graphs actually recorded)
             counts = {name: sum(key in line for line in lines) for name, key in (
                 ("warm-ups", "Running warmup"), ("eager runs", "Running eager"), ("recorded", "Recording"),
                 ("failed checks", "Re-recording"))}
-            head = f"== {attn} call {call}: {seconds * 1e3:.1f} ms; {counts}"
+            head = (f"== {attn} call {call}: {seconds * 1e3:.1f} ms; {counts}; static caches alive when this call "
+                    f"built its own: {alive.pop(0) if alive else '?'}")
             reasons = sorted({line.split("reason=")[-1].split(". input stack trace")[0][:300]
                               for line in lines if "Re-recording" in line})
             report += [head] + ["   re-recorded: " + r for r in reasons]

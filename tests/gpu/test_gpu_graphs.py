@@ -202,6 +202,60 @@ def test_warmed_up_static_generate_records_no_cuda_graph(monkeypatch):
     torch.cuda.empty_cache()
 
 
+def test_a_static_cache_kept_across_calls_records_no_cuda_graph_after_the_first(monkeypatch):
+    """The README's way to keep CUDA graphs replaying across static-cache generate() calls: one `StaticCache`, reset
+    and passed to every call. With cache_implementation="static" Transformers builds a new cache per call, and where
+    the prefill's activations take the blocks the last call's cache freed, its tensors land at other addresses and
+    CUDA graphs record again (DeepSeek-V3's shape, batch 32, 4k, H200, 2026-12-04: in 4 calls of 5, sdpa alike;
+    ``scripts/dev/probe_rerecord.py``). Calls of one batch size with other prompts and paddings on the kept cache
+    record nothing after the first two, and their logits are an uncompiled run's, teacher-forced along their
+    tokens. The control builds a new cache while the kept one lives: it must record."""
+    from transformers import StaticCache
+
+    model = _fresh_v3()
+    captures = []
+    real_capture_end = torch.cuda.graphs.CUDAGraph.capture_end
+
+    def capture_end(self, *args, **kwargs):
+        captures.append(1)
+        return real_capture_end(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.graphs.CUDAGraph, "capture_end", capture_end)
+    cache = StaticCache(config=model.config, max_cache_len=80)
+    batches = [_batch(lengths, seed) for seed, lengths in enumerate(((20, 13, 41, 7), (5, 60, 33, 18), (70, 2, 9, 44)))]
+    per_call, outputs = [], []
+    for ids, mask in batches + batches[:2]:
+        before = len(captures)
+        with torch.inference_mode():
+            cache.reset()
+            outputs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                          cache=cache, output_logits=True, return_dict_in_generate=True))
+        per_call.append(len(captures) - before)
+    before = len(captures)
+    ids, mask = batches[0]
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                   cache=StaticCache(config=model.config, max_cache_len=80))
+    control = len(captures) - before
+    errors = []
+    for (ids, mask), out in zip(batches + batches[:2], outputs):
+        width = ids.shape[1]
+        plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                               disable_compile=True, output_logits=True, return_dict_in_generate=True,
+                               logits_processor=LogitsProcessorList([_Replay(out.sequences[:, width:], width)]))
+        assert torch.equal(plain.sequences, out.sequences)  # the replay followed the kept cache's tokens
+        errors.append(_compare(torch.stack(out.logits, 1), torch.stack(plain.logits, 1)))
+    print(f"CUDA-graph recordings per generate() call on a kept static cache: {per_call}; a new cache while it "
+          f"lives: {control}; vs uncompiled (rel, top1): {[(f'{e:.3e}', round(t, 3)) for e, t in errors]}")
+    assert per_call[0] >= 1 and per_call[2:] == [0, 0, 0]
+    for again, first in ((3, 0), (4, 1)):  # the kept cache carries nothing from one call into the next
+        assert torch.equal(outputs[again].sequences, outputs[first].sequences)
+        assert torch.equal(torch.stack(outputs[again].logits), torch.stack(outputs[first].logits))
+    assert control >= 1  # the recordings were counted, and a cache at other addresses records again
+    assert all(err < LOGIT_TOL and top1 >= TOP1_MIN for err, top1 in errors)
+    del model, cache, outputs
+    torch.cuda.empty_cache()
+
+
 def test_reset_frees_the_graph_buffers_and_generate_compiles_again():
     """`hf_flashinfer_mla.reset()` after a compiled static generate(): torch's CUDA graphs and the package's
     fixed-address buffers go (GPU memory drops by at least the float workspace FlashInfer's kernels share),
