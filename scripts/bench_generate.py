@@ -19,9 +19,16 @@ step; ``late`` as the package runs it (with a Transformers that has ``DeferredSt
 (``registration.py``), so the host queues the next step while the GPU runs this one. Both modes of one
 implementation share its compiled step.
 
+``--cache new kept`` (with ``--static``) runs each cell once per static-cache mode, sharing the compiled step too:
+``new``, ``cache_implementation="static"``, for which Transformers builds a new cache every call (and CUDA graphs
+record again where it lands at other addresses); ``kept``, one ``StaticCache`` passed to every call, reset, as the
+README advises (Limitations).
+
     python scripts/bench_generate.py --model deepseek-v2-lite --prompt 512 --new 128 --batch 1 --out out
     python scripts/bench_generate.py --model deepseek-v3-attn --static --prompt 4096 --new 64 --batch 32 \
         --attn flashinfer_mla --stop-check every late --out out
+    python scripts/bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 8 \
+        --attn sdpa flashinfer_mla --cache new kept --out out
     python scripts/bench_generate.py --model tiny --device cpu --dtype float32 --prompt 16 --new 4 --repeats 1
 """
 
@@ -35,16 +42,22 @@ import sys
 import time
 
 import torch
+from transformers import StaticCache
 
 import bench_common as bc
 
 
-def timed_generate(model, ids, new, static, device, steps: list | None = None) -> float:
-    """Seconds for one generate() call; the GPU's decode step times (ms, `step_starts`) appended to `steps`."""
-    kwargs = dict(cache_implementation="static") if static else {}
+def timed_generate(model, ids, new, static, device, steps: list | None = None, cache=None) -> float:
+    """Seconds for one generate() call; the GPU's decode step times (ms, `step_starts`) appended to `steps`.
+    `cache`: a `StaticCache` kept across calls, reset here (in inference mode, in which it was filled)."""
+    kwargs = dict(cache_implementation="static") if static and cache is None else {}
+    if cache is not None:
+        kwargs["cache"] = cache
     bc.synchronize(device)
     t0 = time.perf_counter()
     with torch.inference_mode(), step_starts(model, device) as starts:
+        if cache is not None:
+            cache.reset()
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                              min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
     bc.synchronize(device)
@@ -116,9 +129,10 @@ def stop_check_mode(mode: str):
             os.environ[DEFER_STOP_ENV] = before
 
 
-def run(model, attn, batch, args, device, stop_check="late", fresh=True, floor_bps=None) -> dict:
+def run(model, attn, batch, args, device, stop_check="late", fresh=True, floor_bps=None, cache="new") -> dict:
     rec = {"attn": attn, "batch": batch, "prompt": args.prompt, "new": args.new, "static": args.static,
-           "order": args.attn.index(attn), "stop_check": stop_check, "status": "ok"}
+           "order": args.attn.index(attn), "stop_check": stop_check, "cache": cache, "status": "ok"}
+    kept = StaticCache(config=model.config, max_cache_len=args.prompt + args.new) if cache == "kept" else None
     try:
         if args.static and fresh:
             # Each cell compiles from a clean slate: with the previous implementation's compiled step still cached,
@@ -134,14 +148,14 @@ def run(model, attn, batch, args, device, stop_check="late", fresh=True, floor_b
         # since the second may record again where the first call's cache was still alive (tests/gpu/test_gpu_graphs.py
         # counts it), and a third after a change of stop-check mode, whose objects live for other spans.
         for _ in range(3 if args.static else 1):
-            timed_generate(model, ids, args.new if args.static else min(args.new, 8), args.static, device)
+            timed_generate(model, ids, args.new if args.static else min(args.new, 8), args.static, device, cache=kept)
         steps = []
         with counted_captures() as captures:  # CUDA graphs recorded during the timed calls (0 in a steady state)
-            full = [timed_generate(model, ids, args.new, args.static, device, steps) for _ in range(args.repeats)]
+            full = [timed_generate(model, ids, args.new, args.static, device, steps, kept) for _ in range(args.repeats)]
         rec["graphs_recorded_timed"] = len(captures)
         if args.static:  # the one-token run has a cache length of its own: warm it up too
-            timed_generate(model, ids, 1, args.static, device)
-        one = [timed_generate(model, ids, 1, args.static, device) for _ in range(args.repeats)]
+            timed_generate(model, ids, 1, args.static, device, cache=kept)
+        one = [timed_generate(model, ids, 1, args.static, device, cache=kept) for _ in range(args.repeats)]
         t_full, t_one = statistics.median(full), statistics.median(one)
         rec.update(seconds_all=full, seconds_one_token=one, tokens_per_s=batch * args.new / t_full,
                    decode_tokens_per_s=batch * (args.new - 1) / max(t_full - t_one, 1e-9),
@@ -174,12 +188,17 @@ def parse_args(argv=None):
     p.add_argument("--stop-check", nargs="+", default=["late"], choices=("late", "every"),
                    help="flashinfer_mla's stop check in generate(): a step late (the default on CUDA) or after "
                         "every step; each given mode is a row of its own")
+    p.add_argument("--cache", nargs="+", default=["new"], choices=("new", "kept"),
+                   help="with --static: a new static cache per call (cache_implementation='static'), or one "
+                        "StaticCache kept across calls and reset; each given mode is a row of its own")
     p.add_argument("--no-floor", action="store_true", help="skip the copy-bandwidth measurement")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default=None, help="JSON file name (default: generate_<model>.json)")
     args = p.parse_args(argv)
     if args.new < 2 or args.repeats < 1:
         p.error("--new must be >= 2 and --repeats >= 1")
+    if args.cache != ["new"] and not args.static:
+        p.error("--cache kept needs --static (a kept cache is a StaticCache)")
     return args
 
 
@@ -195,33 +214,36 @@ def main(argv=None) -> int:
         for attn in args.attn:
             # (the package's stop-check modes apply to flashinfer_mla; Transformers checks every step for the others)
             modes = args.stop_check if attn == "flashinfer_mla" else ["every"]
-            for i, mode in enumerate(modes):
+            cells = [(mode, cache) for cache in args.cache for mode in modes]
+            for i, (mode, cache) in enumerate(cells):
                 with stop_check_mode(mode):
-                    rec = run(model, attn, batch, args, device, mode, fresh=i == 0, floor_bps=floor_bps)
+                    rec = run(model, attn, batch, args, device, mode, fresh=i == 0, floor_bps=floor_bps,
+                              cache=cache)
                 payload["results"].append(rec)
                 shown = f"{rec['tokens_per_s']:.1f} tok/s" if rec["status"] == "ok" else rec["status"]
-                print(f"  {args.model} B={batch} {attn} (stop check: {mode}): {shown}", flush=True)
+                print(f"  {args.model} B={batch} {attn} (stop check: {mode}, cache: {cache}): {shown}", flush=True)
                 bc.write_json(args.out, name, payload)
-    rows, by = [], {(r["batch"], r["attn"]): r for r in payload["results"]}
+    rows, by = [], {(r["batch"], r["attn"], r["cache"]): r for r in payload["results"]}
     for r in payload["results"]:
-        base = by.get((r["batch"], "sdpa"))
+        base = by.get((r["batch"], "sdpa", r["cache"]))  # (against sdpa with the same static cache)
         ratio = (r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
                  if r["status"] == "ok" and base and base["status"] == "ok" else None)
         ok = r["status"] == "ok"
-        rows.append([args.model, str(r["batch"]), r["attn"], r["stop_check"],
+        rows.append([args.model, str(r["batch"]), r["attn"], r["stop_check"], r["cache"] if args.static else "-",
                      bc.fmt(r.get("tokens_per_s") if ok else None, ".1f"),
                      bc.fmt(r.get("decode_tokens_per_s") if ok else None, ".1f"),
                      bc.fmt(r.get("decode_ms_per_step") if ok else None),
                      bc.fmt(r.get("step_ms_median") if ok else None), bc.fmt(r.get("x_floor") if ok else None),
                      bc.fmt(ratio), str(r.get("graphs_recorded_timed", "")), "" if ok else r["status"].upper()])
     print()
-    bc.print_table(["model", "B", "attn", "stop check", "tok/s", "decode tok/s", "ms/step", "GPU step ms",
+    bc.print_table(["model", "B", "attn", "stop check", "static cache", "tok/s", "decode tok/s", "ms/step", "GPU step ms",
                     "x floor", "vs sdpa", "graphs rec.", ""], rows,
                    [f"prompt {args.prompt} tokens, {args.new} new tokens, greedy; vs sdpa = decode tok/s ratio; "
                     "ms/step = (full call - one-token call) / (new - 1); GPU step ms = median time between two "
                     "steps' starts on the GPU (its idle gaps included); "
                     "x floor = GPU step ms / ((weights + latent at prompt + new/2) / copy bandwidth); "
-                    "graphs rec. = CUDA graphs recorded during the timed full-length calls (0: a steady state)"])
+                    "graphs rec. = CUDA graphs recorded during the timed full-length calls (0: a steady state); "
+                    "static cache = new per call (cache_implementation='static') or one kept across calls"])
     path = bc.write_json(args.out, name, payload)
     if path:
         print(f"wrote {path}")

@@ -49,6 +49,9 @@
 #                                           # V3 shape 32 x 4k (flashinfer_mla, sdpa) and V2-Lite batch 8, with a
 #                                           # new cache per call, the cache allocated before the prefill, and one
 #                                           # StaticCache kept across calls
+#   bash scripts/dev/gpu_session.sh kept    # real generate() with a new static cache per call against one kept
+#                                           # across calls (bench_generate --cache new kept): V3 shape 32 x 4k
+#                                           # (flashinfer_mla, sdpa), V2-Lite static at batch 1 and 8
 set -uo pipefail
 O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$PWD
@@ -229,6 +232,13 @@ case "$1" in
         --new 128 --batch 32 --attn flashinfer_mla --stop-check every late --repeats 1 --out "$O" \
         --name generate_v3_61_layers_static.json
     echo "== late61"; grep -v "^  \|Loading\|warn" "$O/late61.txt" | tail -20 ;;
+  kept)
+    cd "$ROOT/scripts"
+    run 300 kept.txt python3 bench_generate.py --model deepseek-v3-attn --static --prompt 4096 --new 64 --batch 32 \
+        --attn sdpa flashinfer_mla --cache new kept --repeats 3 --out "$O" --name generate_v3_static_kept.json
+    run 280 kept.txt python3 bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
+        --attn sdpa flashinfer_mla --cache new kept --repeats 3 --out "$O" --name generate_v2lite_static_kept.json
+    echo "== kept"; grep -v "^  \|Loading\|warn" "$O/kept.txt" | tail -30 ;;
   rerecord)
     cd "$ROOT/scripts"
     for how in new early-init reuse-cache; do
