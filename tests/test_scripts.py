@@ -28,6 +28,8 @@ CPU = ["--device", "cpu", "--dtype", "float32"]
     ("bench_kernel", ["--heads", "2", "--batch", "2", "--context", "64", "--iters", "1", "--warmup", "0",
                       "--backends", "reference", "fa3"], "kernel.json"),
     ("bench_generate", ["--model", "tiny", "--prompt", "8", "--new", "3", "--repeats", "1"], "generate_tiny.json"),
+    ("bench_generate", ["--model", "tiny", "--prompt", "8", "--new", "3", "--repeats", "1", "--static", "--cache",
+                        "new", "kept"], "generate_tiny_static.json"),
     ("bench_host", ["--model", "tiny", "--batch", "2", "--context", "32", "--steps", "1", "--warmup", "0"],
      "host.json"),
     ("bench_serving", ["--model", "tiny", "--requests", "5", "--prompt-min", "3", "--prompt-max", "9", "--new", "2",
