@@ -50,9 +50,7 @@ import bench_common as bc
 def timed_generate(model, ids, new, static, device, steps: list | None = None, cache=None) -> float:
     """Seconds for one generate() call; the GPU's decode step times (ms, `step_starts`) appended to `steps`.
     `cache`: a `StaticCache` kept across calls, reset here (in inference mode, in which it was filled)."""
-    kwargs = dict(cache_implementation="static") if static and cache is None else {}
-    if cache is not None:
-        kwargs["cache"] = cache
+    kwargs = dict(cache=cache) if cache is not None else dict(cache_implementation="static") if static else {}
     bc.synchronize(device)
     t0 = time.perf_counter()
     with torch.inference_mode(), step_starts(model, device) as starts:
@@ -236,8 +234,8 @@ def main(argv=None) -> int:
                      bc.fmt(r.get("step_ms_median") if ok else None), bc.fmt(r.get("x_floor") if ok else None),
                      bc.fmt(ratio), str(r.get("graphs_recorded_timed", "")), "" if ok else r["status"].upper()])
     print()
-    bc.print_table(["model", "B", "attn", "stop check", "static cache", "tok/s", "decode tok/s", "ms/step", "GPU step ms",
-                    "x floor", "vs sdpa", "graphs rec.", ""], rows,
+    bc.print_table(["model", "B", "attn", "stop check", "static cache", "tok/s", "decode tok/s", "ms/step",
+                    "GPU step ms", "x floor", "vs sdpa", "graphs rec.", ""], rows,
                    [f"prompt {args.prompt} tokens, {args.new} new tokens, greedy; vs sdpa = decode tok/s ratio; "
                     "ms/step = (full call - one-token call) / (new - 1); GPU step ms = median time between two "
                     "steps' starts on the GPU (its idle gaps included); "
