@@ -95,6 +95,15 @@ class StepPlan:
         # The attention modules that ran on this plan (by id), with their layer_idx (see `step_plan`).
         self.consumers: dict[int, int] = {}
 
+    # A copy of the step's mask (``copy.deepcopy`` of a forward's inputs, as Transformers' exporters take them;
+    # pickling) is another tensor: it gets no copy of this plan, which names the original mask, and is planned from
+    # its own contents when a model runs on it (`step_plan`).
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
     # ------------------------------------------------------------------------------------------- what builders read
     @property
     def mask(self) -> torch.Tensor:

@@ -169,6 +169,14 @@ class GrowingMask:
 
     ATTR = "_flashinfer_mla_rows"
 
+    # A copied 2D mask (``copy.deepcopy``, pickling) carries no record: what it planned ahead belongs to the
+    # original, and the copy is read exactly (`read`) when a step runs on it.
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
     @classmethod
     def read(cls, mask: torch.Tensor) -> GrowingMask | None:
         """The left padding of a 2D mask whose every row is zeros then ones (one sync), else None."""
