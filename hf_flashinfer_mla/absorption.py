@@ -14,7 +14,9 @@ Where the dense matrix comes from:
   the module) until its weight is another tensor or lives in other memory; ``.to()`` drops them at once (the hook
   in ``models.py``), and a weight replaced otherwise is let go at its layer's next decode. Under tensor parallelism
   the weight is a DTensor; its local shard (this rank's heads) is used.
-* Any other module (FP8, bitsandbytes, GPTQ/AWQ, compressed-tensors, a custom linear, a PEFT adapter): the dense
+* A PEFT LoRA layer: its base layer is absorbed as either kind here is, and its adapters' factors are applied live, at rank r,
+  on top (``adapters.py``): nothing derived from an adapter can go stale, hot-swaps through ``.data`` included.
+* Any other module (FP8, bitsandbytes, GPTQ/AWQ, compressed-tensors, a custom linear): the dense
   matrix is derived once, in the activation dtype, with the quantizer's own dequantize function where there is one
   (`DEQUANTIZERS`) and otherwise format-blind, by running the module on the identity basis of its input width
   (``proj(I) - proj(0)`` is exactly ``W^T``). The copy is a non-persistent buffer of ``kv_b_proj``: it moves with
@@ -36,6 +38,7 @@ leave no version behind).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass
@@ -46,6 +49,8 @@ import transformers.utils.logging  # noqa: F401  (adds `info_once` to loggers)
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules import module as _nn_module
+
+from . import adapters
 
 logger = logging.getLogger("hf_flashinfer_mla")
 
@@ -70,6 +75,7 @@ class AbsorbedWeights:
     v_bias: torch.Tensor | None  # [H, v_head_dim]; a key bias cancels in the softmax (without sinks)
     num_heads: int
     biased: bool = False  # kv_b_proj adds a bias (to keys, values or both)
+    lora: tuple[adapters.LoraTerm, ...] = ()  # a PEFT LoRA's adapters, applied live on top (``adapters.py``)
 
 
 try:
@@ -106,28 +112,51 @@ def absorbed_weights(module: nn.Module, dtype: torch.dtype, sinks: bool = False)
 
 def _absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights | None:
     proj = module._modules["kv_b_proj"]  # (read off the dicts, not through nn.Module.__getattr__: it costs)
+    if not adapters.is_lora(proj):
+        return _base_weights(module, proj, proj, dtype)
+    # A PEFT LoRA layer: its base absorbed as any kv_b_proj, its adapters applied live (``adapters.py``).
+    reason = adapters.not_live(proj)
+    if reason is not None:
+        logger.warning_once(f"flashinfer_mla: decode expands the latent through kv_b_proj itself, as sdpa does, "
+                            f"instead of absorbing its weights: {reason}.")
+        return None
+    base = _base_weights(module, proj, proj.base_layer, dtype)
+    if base is None:
+        return None
+    terms = adapters.lora_terms(proj, base.num_heads, module.qk_nope_head_dim, dtype)
+    if not terms:
+        return base
+    return dataclasses.replace(base, lora=terms, biased=base.biased or any(t.v_bias is not None for t in terms))
+
+
+def _base_weights(module: nn.Module, proj: nn.Module, linear: nn.Module, dtype: torch.dtype
+                  ) -> AbsorbedWeights | None:
+    """W_UK / W_UV of `linear`: `proj` itself, or the base layer of the LoRA layer `proj`."""
     inference = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
     # (autograd: each forward's graph gets its own views; a compiled graph holds its own)
     hit = _views.get(module) if inference else None
-    if hit is not None and hit[0] is proj and type(proj) is nn.Linear:  # (a class can be swapped on an instance)
-        weight, bias = proj._parameters.get("weight"), proj._parameters.get("bias")
+    if hit is not None and hit[0] is proj and hit[7] is linear and type(linear) is nn.Linear:
+        # (a class can be swapped on an instance)
+        weight, bias = linear._parameters.get("weight"), linear._parameters.get("bias")
         if (weight is hit[1] and bias is hit[2] and _storage(weight, bias, hit[3]) == hit[4]
                 and _hooks_key(proj) == hit[6]):
             return hit[5]
-    if _is_plain_linear(proj):
+    if _is_plain_linear(linear):
         if not _absorbable(proj):
             return None
-        weight, bias = _local(proj.weight), _local(proj.bias)
+        weight, bias = _local(linear.weight), _local(linear.bias)
         if not inference:
             return _split(module, weight, bias)
         views = _split(module, weight, bias)
-        sharded = isinstance(proj.weight, DTensor)
-        _views[module] = (proj, proj.weight, proj.bias, sharded, _storage(proj.weight, proj.bias, sharded), views,
-                          _hooks_key(proj))
+        sharded = isinstance(linear.weight, DTensor)
+        _views[module] = (proj, linear.weight, linear.bias, sharded, _storage(linear.weight, linear.bias, sharded),
+                          views, _hooks_key(proj), linear)
         return views
-    if torch.is_grad_enabled() and any(p.requires_grad for p in proj.parameters()):
+    if torch.is_grad_enabled() and any(p.requires_grad for p in linear.parameters()):
         return None  # a derived copy would carry no gradient to the module's own parameters
-    dense = _dense_copy(proj, module.kv_lora_rank, dtype)
+    if linear is not proj and not _absorbable(proj):
+        return None
+    dense = _dense_copy(linear, module.kv_lora_rank, dtype)
     if dense is None:
         return None
     weight, bias = dense
@@ -169,8 +198,8 @@ def unabsorbable(proj: nn.Module) -> str | None:
     if replaced:
         return (f"the forward of its {', '.join(replaced)} is replaced on the instance (an accelerate hook, say), "
                 "which absorbed decode would skip")
-    if _is_plain_linear(proj):
-        return None
+    if _is_plain_linear(proj) or adapters.is_lora(proj):
+        return None  # (views of a live weight; a LoRA layer's base is looked at on its own, its adapters live)
     hidden = next((m for m in proj.modules() if not _state_is_visible(m)), None)
     if hidden is not None:
         reason = (f"it holds a {_qualified(hidden)}, whose output may depend on state this package cannot watch "
@@ -207,7 +236,11 @@ def _aligned(module: nn.Module) -> bool:
 def _hooks_key(proj: nn.Module) -> tuple:
     """The forward hooks that may run on `proj` (their handles' ids) and whether its forward is replaced: tensor
     parallelism's hooks and accelerate's alignment, set once, keep the views of `_views`; any change since makes
-    `unabsorbable` look again."""
+    `unabsorbable` look again. A LoRA layer's submodules (its base, its adapters' linears) count too."""
+    if type(proj) is not nn.Linear:
+        return (tuple((tuple(m._forward_pre_hooks), tuple(m._forward_hooks), m.__dict__.get("forward"))
+                      for m in proj.modules()),
+                tuple(_nn_module._global_forward_pre_hooks), tuple(_nn_module._global_forward_hooks))
     return (tuple(proj._forward_pre_hooks), tuple(proj._forward_hooks), tuple(_nn_module._global_forward_pre_hooks),
             tuple(_nn_module._global_forward_hooks), proj.__dict__.get("forward"))
 
@@ -268,7 +301,7 @@ DEQUANTIZERS: dict[str, Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, t
 
 
 # Linear classes (by name) whose output depends only on their parameters, buffers and training flag (all in the key
-# below), besides torch.nn's own modules and PEFT's LoRA layers: the quantized linears of the libraries Transformers
+# below), besides torch.nn's own modules: the quantized linears of the libraries Transformers
 # loads. A user's own class joins them by adding its qualified name (``"my_package.layers.MyLinear"``) here.
 KNOWN_LINEARS = {
     "FP8Linear", "Linear4bit", "Linear8bitLt", "QuantLinear", "WQLinear_GEMM", "WQLinear_GEMV", "WQLinear_Exllama",
@@ -276,22 +309,13 @@ KNOWN_LINEARS = {
 }
 
 
-def _is_peft_lora(proj: nn.Module) -> bool:
-    return hasattr(proj, "get_delta_weight") and hasattr(proj, "base_layer") and hasattr(proj, "lora_A")
-
-
-def _peft_state(proj: nn.Module) -> tuple:
-    """What a PEFT LoRA layer's output depends on beyond its tensors: plain attributes (PEFT's switches)."""
-    return (tuple(proj.active_adapters), bool(proj.disable_adapters), tuple(proj.merged_adapters),
-            tuple(sorted((k, float(v)) for k, v in proj.scaling.items())), tuple(sorted(proj.lora_variant)))
-
-
 def _state_is_visible(m: nn.Module) -> bool:
-    """Whether the key below sees everything module `m` computes with: its tensors and training flag, and PEFT's
-    switches for PEFT layers. Any other module, an ``nn.Linear`` subclass of the user's included, might keep state
-    in plain attributes that no key can see."""
-    if type(m).__module__.split(".")[0] == "peft":  # (its other tuners switch by plain attributes, as LoRA does)
-        return _is_peft_lora(m)
+    """Whether the key below sees everything module `m` computes with: its tensors and training flag. Any other
+    module, an ``nn.Linear`` subclass of the user's included, might keep state in plain attributes that no key can
+    see; so do PEFT's tuners (they switch adapters by plain attributes, and hot-swap writes through ``.data``: a
+    LoRA layer is never derived, its adapters apply live)."""
+    if type(m).__module__.split(".")[0] == "peft":
+        return False
     return (type(m).__name__ in KNOWN_LINEARS or _qualified(m) in KNOWN_LINEARS
             or type(m).__module__.startswith("torch.nn"))
 
@@ -308,11 +332,10 @@ def _sources(proj: nn.Module) -> list[torch.Tensor]:
 
 
 def _source_key(proj: nn.Module, dtype: torch.dtype, tensors: list[torch.Tensor]) -> tuple:
-    """Storage and version of everything the module computes with, and each submodule's class, training flag,
-    hooks and PEFT switches: any change (``load_state_dict``, ``.to()``, an optimizer step, ``weight.data = ...``,
-    a copy of the module, a hook (a backward one while gradients are enabled), a PEFT adapter switched, disabled,
-    merged) looks at the module again. (A write
-    through ``weight.data`` bumps no version: it is the one change no key sees.)"""
+    """Storage and version of everything the module computes with, and each submodule's class, training flag and
+    hooks: any change (``load_state_dict``, ``.to()``, an optimizer step, ``weight.data = ...``, a copy of the
+    module, a hook (a backward one while gradients are enabled)) looks at the module again. (A write through
+    ``weight.data`` bumps no version: it is the one change no key sees.)"""
     return (
         dtype,
         tuple((t.untyped_storage()._cdata, None if t.is_inference() else t._version) for t in tensors),
@@ -320,7 +343,6 @@ def _source_key(proj: nn.Module, dtype: torch.dtype, tensors: list[torch.Tensor]
               for m in proj.modules()),
         (tuple(_nn_module._global_forward_pre_hooks), tuple(_nn_module._global_forward_hooks)),
         tuple(id(h) for h in _backward_hooks(proj)),
-        tuple(_peft_state(m) for m in proj.modules() if _is_peft_lora(m)),
     )
 
 
@@ -354,37 +376,12 @@ def _dense_copy(proj: nn.Module, rank: int, dtype: torch.dtype) -> tuple[torch.T
 
 def _derive(proj: nn.Module, rank: int, dtype: torch.dtype):
     """``(weight, bias)`` of what `proj` computes, or None where it is not linear."""
-    if _is_peft_lora(proj) and not proj.lora_variant and not proj.training:
-        return _peft_lora_dense(proj, rank, dtype)
     if _is_plain_linear(proj):
         return proj.weight, proj.bias
     dequantize = DEQUANTIZERS.get(type(proj).__name__)
     if dequantize is not None:
         return dequantize(proj, dtype)
     return _from_identity_basis(proj, rank, dtype)
-
-
-def _peft_lora_dense(proj: nn.Module, rank: int, dtype: torch.dtype):
-    """A PEFT LoRA layer as its forward computes it: the base layer, plus each active adapter's
-    ``get_delta_weight`` (and its ``lora_B`` bias, with ``lora_bias=True``) unless adapters are disabled or merged
-    (merged ones are in the base weight already; disabled ones are taken out of it, as PEFT's forward unmerges them
-    first)."""
-    base = _derive(proj.base_layer, rank, dtype)
-    if base is None:
-        return None
-    weight, bias = _local(base[0]).to(dtype), base[1]
-    if proj.disable_adapters:
-        deltas, sign = list(proj.merged_adapters), -1.0
-    elif proj.merged:
-        deltas, sign = [], 1.0
-    else:
-        deltas, sign = [a for a in proj.active_adapters if a in proj.lora_A], 1.0
-    for adapter in deltas:
-        weight = weight + sign * proj.get_delta_weight(adapter).to(dtype)
-        if getattr(proj, "lora_bias", {}).get(adapter):  # (`lora_bias=True`: lora_B's bias, which the delta omits)
-            delta = sign * proj.lora_B[adapter].bias.to(dtype) * proj.scaling[adapter]
-            bias = delta if bias is None else _local(bias).to(dtype) + delta
-    return weight, bias
 
 
 def _unpack(packed: torch.Tensor, has_bias: bool):
@@ -437,7 +434,10 @@ def absorb_query(query: torch.Tensor, nope: int, weights: AbsorbedWeights) -> tu
     else:
         q_nope = query.narrow(-1, 0, nope).permute(1, 0, 2, 3).reshape(h, b * s, nope)
         q_pe = query.narrow(-1, nope, d - nope).transpose(1, 2).reshape(b * s, h, d - nope)
-    return torch.bmm(q_nope, weights.w_uk), q_pe
+    q_lat = torch.bmm(q_nope, weights.w_uk)
+    if weights.lora:
+        q_lat = adapters.adapt_query(q_lat, q_nope, weights.lora)
+    return q_lat, q_pe
 
 
 def project_output(o_lat: torch.Tensor, weights: AbsorbedWeights, batch: int) -> torch.Tensor:
@@ -445,6 +445,8 @@ def project_output(o_lat: torch.Tensor, weights: AbsorbedWeights, batch: int) ->
     one strided view of the GEMM's output)."""
     h, n, _ = o_lat.shape
     out = torch.bmm(o_lat, weights.w_uv_t)  # [H, B*Sq, dv]
+    if weights.lora:
+        out = adapters.adapt_output(out, o_lat, weights.lora)
     if weights.v_bias is not None:
         out = out + weights.v_bias[:, None, :]
     if out.requires_grad or torch.compiler.is_compiling():

@@ -269,15 +269,14 @@ def test_training_through_lora_gives_eager_gradients(model_type):
 
 @torch.no_grad()
 def test_reassigned_weight_data_is_seen_and_its_old_memory_let_go():
-    """``weight.data = new`` bumps no version counter: the derived matrix is keyed on the weight's storage, which
-    it names through a weak reference, so the next decode sees the new weight, and the old weight's memory is freed
-    at once (the package holds none of it; a weak reference also keeps a freed storage's address from being reused
-    while the key names it)."""
+    """``weight.data = new`` on the LoRA's base bumps no version counter: the base's views are keyed on the
+    weight's storage, so the next decode sees the new weight, and lets the old weight's memory go (as for a plain
+    kv_b_proj: the views of the last decode hold it until the layer decodes again)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     pm = peft_model("deepseek_v3")
     ids, mask, forced = inputs()
-    decode_vs_eager(pm, ids, mask, forced)  # derives each layer's matrix
+    decode_vs_eager(pm, ids, mask, forced)  # absorbs each layer's base
     g = torch.Generator().manual_seed(7)
     replaced = []
     for rounds in range(1, 4):
@@ -286,28 +285,32 @@ def test_reassigned_weight_data_is_seen_and_its_old_memory_let_go():
                 w = m.kv_b_proj.base_layer.weight
                 replaced.append(StorageWeakRef(w.untyped_storage()))
                 w.data = torch.randn(w.shape, dtype=w.dtype, generator=g) * 0.05
-        assert all(ref.expired() for ref in replaced)
         assert decode_vs_eager(pm, ids, mask, forced)[0] < TOL64, rounds
+        assert all(ref.expired() for ref in replaced)
 
 
-def test_a_model_made_under_inference_mode_decodes_through_the_adapter_with_one_warning(caplog):
-    """Inference tensors keep no version counter, so an in-place edit of the adapter's weights leaves no trace a
-    derived matrix could be checked against: such a kv_b_proj decodes through the module (one warning naming the
-    fix), and follows every edit."""
+def test_a_model_made_under_inference_mode_decodes_absorbed_and_follows_every_edit(caplog):
+    """Inference tensors keep no version counter, so an in-place edit leaves no trace; nothing absorbed decode
+    reads of a LoRA layer is derived from them (the base's views and the adapters' factors are read at each step),
+    so such a model decodes absorbed, without a warning, and follows every in-place edit of base and adapter."""
     import logging
 
     with torch.inference_mode():
         pm = peft_model("deepseek_v3")
         ids, mask, forced = inputs()
         with caplog.at_level(logging.WARNING, logger="hf_flashinfer_mla"):
+            outs = []
             for edit in range(3):
-                ours = decode_logits(pm, ids, mask, forced=forced)
-                assert rel_err(ours, with_eager(pm, lambda: decode_logits(pm, ids, mask, forced=forced))) < TOL64
+                with kv_b_proj_rows(pm) as rows:
+                    outs.append(decode_logits(pm, ids, mask, forced=forced))
+                assert sum(rows) == ids.numel() * len(mla_layers(pm)), "decode expanded the cache"
+                ref = with_eager(pm, lambda: decode_logits(pm, ids, mask, forced=forced))
+                assert rel_err(outs[-1], ref) < TOL64, edit
                 for m in mla_layers(pm):
                     m.kv_b_proj.base_layer.weight.mul_(1.5)
                     m.kv_b_proj.lora_B[FIRST].weight.mul_(2.0)
-    warned = [r.getMessage() for r in caplog.records if "inference tensors" in r.getMessage()]
-    assert len(warned) == 1 and "torch.no_grad()" in warned[0]
+    assert rel_err(outs[0], outs[1]) > 1e-3 and rel_err(outs[1], outs[2]) > 1e-3  # each edit changed the model
+    assert not [r for r in caplog.records if "kv_b_proj" in r.getMessage()]
 
 
 def test_a_batch_of_several_adapters_decodes_like_eager():
@@ -375,3 +378,98 @@ def test_other_tuners_decode_through_the_module_even_when_named_known(tuner, mon
                 assert rel_err(ours, with_eager(pm, lambda: decode_logits(pm, ids, mask, forced=forced))) < TOL64
     warned = [r.getMessage() for r in caplog.records if "kv_b_proj" in r.getMessage()]
     assert len(warned) == 1 and "peft.tuners" in warned[0] and "KNOWN_LINEARS" not in warned[0]
+
+
+# ------------------------------------------------------------------------------------ weights written in place
+HOTSWAP_TARGETS = {"kv_b_proj": ["kv_b_proj"], "with q_b_proj and o_proj": ["kv_b_proj", "q_b_proj", "o_proj"]}
+
+
+def _swapped_in_adapter(targets, tmp_path, seed: int):
+    """A second LoRA of the same shape as FIRST (other random factors, the same alpha: only tensors change) on the same base model,
+    saved as PEFT saves adapters: ``(its directory, its state dict, its config)``."""
+    config = LoraConfig(target_modules=targets, r=4, lora_alpha=8, init_lora_weights=False, task_type="CAUSAL_LM")
+    base = make_model("deepseek_v3")
+    torch.manual_seed(seed)  # (after make_model, which seeds its own weights)
+    other = get_peft_model(base, config, adapter_name=FIRST)
+    other.save_pretrained(tmp_path, selected_adapters=[FIRST])
+    path = tmp_path / FIRST if (tmp_path / FIRST).exists() else tmp_path
+    # (hotswap_adapter_from_state_dict takes the model's own keys, adapter name included)
+    state = {k: v.clone() for k, v in other.state_dict().items() if f"lora_A.{FIRST}." in k or f"lora_B.{FIRST}." in k}
+    return path, state, config
+
+
+@pytest.mark.parametrize("source", ["directory", "state dict"])
+@pytest.mark.parametrize("targets", list(HOTSWAP_TARGETS), ids=list(HOTSWAP_TARGETS))
+def test_a_hot_swapped_adapter_decodes_like_eager(targets, source, tmp_path):
+    """PEFT's hot-swap (``hotswap_adapter`` from a saved adapter, ``hotswap_adapter_from_state_dict``) copies the
+    new factors into the live adapter's tensors with ``.data.copy_``, which moves no version counter and changes no
+    attribute: prefill and every decode step must use the new adapter, as eager does."""
+    from peft.utils.hotswap import hotswap_adapter, hotswap_adapter_from_state_dict
+
+    targets = HOTSWAP_TARGETS[targets]
+    config = LoraConfig(target_modules=targets, r=4, lora_alpha=8, init_lora_weights=False, task_type="CAUSAL_LM")
+    base = make_model("deepseek_v3")
+    torch.manual_seed(100)
+    pm = get_peft_model(base, config, adapter_name=FIRST).eval()
+    ids, mask, forced = inputs()
+    err, _, before = decode_vs_eager(pm, ids, mask, forced)  # the old adapter, absorbed once already
+    assert err < TOL64
+    path, state, new_config = _swapped_in_adapter(targets, tmp_path, seed=200)
+    if source == "directory":
+        hotswap_adapter(pm, str(path), adapter_name=FIRST)
+    else:
+        hotswap_adapter_from_state_dict(pm, state, adapter_name=FIRST, config=new_config)
+    err, _, after = decode_vs_eager(pm, ids, mask, forced)
+    assert rel_err(after, before) > 1e-3, "the swap did not change the model: the test would prove nothing"
+    assert err < TOL64
+
+
+def test_a_data_write_to_lora_b_between_generate_calls_is_followed():
+    """A write through ``lora_B.weight.data`` (what PEFT's hot-swap and hand-made swaps do) between two
+    ``generate()`` calls: the second call gives eager's tokens for the new factors."""
+    pm = peft_model("deepseek_v3", dtype=torch.float32)
+    ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
+
+    def run():
+        return pm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True)
+
+    first = run()
+    assert torch.equal(first.sequences, with_eager(pm, run).sequences)
+    g = torch.Generator().manual_seed(9)
+    for m in mla_layers(pm):
+        b = m.kv_b_proj.lora_B[FIRST].weight
+        b.data.copy_(torch.randn(b.shape, generator=g, dtype=b.dtype) * 2.0)
+    ours, ref = run(), with_eager(pm, run)
+    assert not torch.equal(torch.stack(first.logits), torch.stack(ref.logits)), "the write changed nothing"
+    assert torch.equal(ours.sequences, ref.sequences)
+    assert rel_err(torch.stack(ours.logits), torch.stack(ref.logits)) < TOL32
+
+
+def test_a_lora_over_a_4bit_base_follows_its_adapter_as_written():
+    """QLoRA: a LoRA over a bitsandbytes 4-bit kv_b_proj. The base is absorbed through its dequantized copy, the
+    adapter live on top: a ``.data`` write to the adapter's factors is followed at the next step, as eager does."""
+    bnb = pytest.importorskip("bitsandbytes")
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    for m in mla_layers(model):
+        lin = m.kv_b_proj
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.float32,
+                              quant_type="nf4")
+        q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4")
+        try:
+            m.kv_b_proj = q.to("cpu")
+        except Exception as exc:  # bitsandbytes without a CPU backend
+            pytest.skip(f"bitsandbytes cannot quantize on this CPU: {exc}")
+    torch.manual_seed(100)
+    pm = get_peft_model(model, lora_config(), adapter_name=FIRST).eval()
+    assert type(mla_layers(pm)[0].kv_b_proj.base_layer).__name__ == "Linear4bit"
+    ids, mask, forced = inputs()
+    err, _, before = decode_vs_eager(pm, ids, mask, forced)
+    assert err < TOL32 * 10
+    g = torch.Generator().manual_seed(9)
+    for m in mla_layers(pm):
+        a = m.kv_b_proj.lora_A[FIRST].weight
+        a.data.copy_(torch.randn(a.shape, generator=g, dtype=a.dtype))
+    err, _, after = decode_vs_eager(pm, ids, mask, forced)
+    assert rel_err(after, before) > 1e-3, "the write changed nothing"
+    assert err < TOL32 * 10
