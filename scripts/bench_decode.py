@@ -9,8 +9,8 @@ step adds a token, from ``context`` tokens on; the cache is cropped back after e
 ``--graphs`` gives all a ``StaticCache`` and compiles the step with CUDA graphs, as
 ``generate(..., cache_implementation="static")`` does. ``--stop-check deferred`` adds a row per cell whose host
 waits for the step before instead of each step, as Transformers' ``DeferredStopCheck`` makes ``generate()`` wait
-(for flashinfer_mla models on CUDA since the eighteenth session; for other implementations on MPS only): what each
-step costs when the host builds it while the GPU runs the previous one.
+(for flashinfer_mla models on CUDA, ``registration.py``; for other implementations on MPS only): what each step
+costs when the host builds it while the GPU runs the previous one.
 
 Reported per cell: ms per step (median), tokens/s, the host's share (time until the step was enqueued), transient
 memory above weights + cache, the speed-up over the faster of eager/sdpa, and the bandwidth floor: (weights read
@@ -32,8 +32,7 @@ The table ends with the longest context each implementation ran at each batch.
 CUDA graphs are compiled as ``generate()`` compiles them: inductor, ``mode="reduce-overhead"`` (about a minute per
 cell). Not torch's ``backend="cudagraphs"``: it treats only lifted parameters as static, and with nn modules inlined
 (torch's default) a model's weights and its cache are graph inputs, which it copies into the graph's own buffers
-before every replay (on H200s, 2026-11-30, with it: sdpa's B=32 ctx 4096 step took 183 ms against 76 ms
-uncompiled, flashinfer_mla's 9.75 ms against 4.11 ms with inductor).
+before every replay, making a compiled step slower than an uncompiled one.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FP8 latent cache against the bf16 latent cache on one GPU (issue 9's three targets), in one run.
+"""FP8 latent cache against the bf16 latent cache on one GPU: kernel bandwidth, step time and capacity, in one run.
 
 1. ``kernel``: one layer, fa3, 16 heads, batch 128, context 16k: time per call (CUDA events, median) and the
    fraction of the device-to-device copy bandwidth (measured in the same run) counted in the bytes each cache
@@ -130,15 +130,15 @@ def step_ms(model, batch: int, context: int, dtype, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--context", type=int, default=65536)
-    ap.add_argument("--kernel-context", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--max-context", type=int, default=4 * 2**20)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["kernel", "step", "maxctx"])
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4, help="dense layers of the step and maxctx model")
+    ap.add_argument("--batch", type=int, default=32, help="batch of the step and maxctx parts")
+    ap.add_argument("--context", type=int, default=65536, help="context of the step part")
+    ap.add_argument("--kernel-context", type=int, default=16384, help="context of the kernel part")
+    ap.add_argument("--steps", type=int, default=10, help="timed calls per measurement (median)")
+    ap.add_argument("--max-context", type=int, default=4 * 2**20, help="where maxctx stops doubling")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["kernel", "step", "maxctx"], help="parts not run")
+    ap.add_argument("--json", default=None, help="file for the results")
     args = ap.parse_args(argv)
     result = {"device": torch.cuda.get_device_name(DEV), "args": vars(args),
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}

@@ -136,7 +136,7 @@ def run(model, attn, batch, args, device, stop_check="late", fresh=True, floor_b
             # Each cell compiles from a clean slate: with the previous implementation's compiled step still cached,
             # dynamo keeps two entries for the one compiled call (their guards differ in the attention
             # implementation) and CUDA-graph trees keep the other's pools, so whichever runs second would pay for
-            # the first (in earlier rounds the second of the two lost 7-10% at batch 1, whichever it was).
+            # the first.
             torch.compiler.reset()
         model.set_attn_implementation(attn)
         gen = torch.Generator().manual_seed(batch)

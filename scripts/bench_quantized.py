@@ -95,13 +95,13 @@ def decode_ms(model, attn: str, batch: int, context: int, steps: int, warmup: in
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4, help="dense layers")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--context", type=int, default=4096, help="prompt tokens prefilled before the timed steps")
+    ap.add_argument("--steps", type=int, default=10, help="timed decode steps (median)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed decode steps")
+    ap.add_argument("--json", default=None, help="file for the results")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     finegrained_fp8.fp8_linear = fp8_linear_reference

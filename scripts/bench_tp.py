@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode step time on two GPUs: one GPU vs tensor parallelism (TP=2) vs a ``device_map`` split, sdpa vs flashinfer_mla.
 
-    python scripts/bench_tp.py --out bench_tp/        # 2 GPUs; ~3-4 min (~1.5 min more if checkpoints must be made)
+    python scripts/bench_tp.py --out bench_tp/        # 2 GPUs; saves the checkpoints first where they are missing
 
 What it measures (random weights, bf16, saved once by ``scripts/tp_parity.py make`` under ``--ckpt-dir``, default
 ``$HF_FLASHINFER_MLA_TP_DIR`` or ``/tmp/hf_flashinfer_mla_tp``, shared with ``tests/gpu/test_tensor_parallel.py``):
@@ -17,12 +17,12 @@ What it measures (random weights, bf16, saved once by ``scripts/tp_parity.py mak
    context 4096, at 128 / 64 / 32 / 16 heads: what one rank's attention costs at TP = 1 / 2 / 4 / 8 if heads are
    sharded, without the per-layer all-reduce.
 
-Method per cell, as in ``bench_decode.py`` (its cache helpers are in ``bench_common.py``): the cache is filled with random latents
-(no prefill; on each layer's own device), then single-token steps at a constant context (the appended token is
-cropped after each step); ``--warmup`` untimed, ``--steps`` timed; time = wall clock between synchronisations of
-every device the process uses (CUDA events on one device would miss the other device's work in a device_map
-split). Under TP every rank times its own steps (they are lock-stepped by the all-reduces) and the slowest rank's
-median is reported. sdpa gets ``DynamicCache``, flashinfer_mla ``MLALatentCache`` (what ``generate()`` gives each).
+Method per cell, as in ``bench_decode.py`` (its cache helpers are in ``bench_common.py``): the cache is filled with
+random latents (no prefill; on each layer's own device), then single-token steps at a constant context (the
+appended token is cropped after each step); ``--warmup`` untimed, ``--steps`` timed; time = wall clock between
+synchronisations of every device the process uses (CUDA events on one device would miss the other device's work
+in a device_map split). Under TP every rank times its own steps (they are lock-stepped by the all-reduces) and the
+slowest rank's median is reported. sdpa gets ``DynamicCache``, flashinfer_mla ``MLALatentCache`` (what ``generate()`` gives each).
 Prints a table and writes ``OUT/bench_tp.json`` (and the parts each process wrote).
 """
 

@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
-"""The WHOLE ``tests/gpu`` on one GPU in several pytest processes at once, for device calls with little time left.
+"""The WHOLE ``tests/gpu`` on one GPU in several pytest processes at once, so that it fits one bounded device call.
 
-A session's device time (30 minutes) is the project's scarcest resource, and the whole suite in one process takes
-7.5-8.5 minutes on an H200, most of it torch.compile's inductor and Python on the host, not the GPU. Every test builds
-its own small model (2 layers), so several processes fit on one GPU, and the wall time is bounded by the slowest
-worker instead of the sum.
+Most of the suite's time is torch.compile's inductor and Python on the host, not the GPU, and every test builds its
+own small model (2 layers), so several processes fit on one GPU, and the wall time is bounded by the slowest worker
+instead of the sum.
 
 It collects every test of ``tests/gpu`` (``pytest --collect-only``) and deals them to ``--workers`` processes,
 largest first. The weights come from an earlier run's ``gpu_suite_durations.json`` if one is given, else from a rule
@@ -12,9 +11,9 @@ of thumb: the compiling tests are the heavy ones. Each worker keeps its tests in
 ``-s``: the tests' measured errors) is merged into ``gpu_suite_workers.txt`` at the end, and its JUnit file is read
 for the report. The report checks that every collected test was reported, so a worker that died or was cut by
 ``--timeout`` shows as missing tests, never as a shorter green run. It exits 0 only when nothing failed and nothing
-is missing. On an H200 (2026-12-02), 4 workers ran the suite in 213 s wall, against 453 s in one process.
+is missing. ``scripts/dev/gpu_round.sh suite`` runs it with five workers.
 
-    python3 scripts/dev/gpu_suite_parallel.py --workers 4 --out "$OUT"        # on the device, after the kit's prefix
+    python3 scripts/dev/gpu_suite_parallel.py --workers 5 --timeout 320 --out "$OUT"
     python3 scripts/dev/gpu_suite_parallel.py --durations benchmarks/.../gpu_suite_durations.json --out "$OUT"
 
 Tests are written to be order-independent (each resets the package's process caches), so a different grouping is
@@ -84,10 +83,12 @@ def results(xml: pathlib.Path) -> dict[str, tuple[str, float]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=4, help="pytest processes")
     p.add_argument("--timeout", type=float, default=420, help="seconds before the workers still running are stopped")
-    p.add_argument("--durations", default=None, help="gpu_suite_durations.json of an earlier run, for the balance")
-    p.add_argument("--out", default=os.environ.get("OUT", "gpu_suite_out"))
+    p.add_argument("--durations", default=None, help="gpu_suite_durations.json of another run, for the balance")
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_suite_out"),
+                   help="directory for gpu_suite_summary.txt, gpu_suite_durations.json, gpu_suite_workers.txt "
+                        "(default: $OUT, else gpu_suite_out)")
     args = p.parse_args(argv)
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

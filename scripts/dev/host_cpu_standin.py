@@ -1,18 +1,20 @@
 """Host time of the attention function per decode layer on the CPU, with FlashInfer's fa3 stand-in
 (``tests/fake_flashinfer.py``) and a kernel that does nothing: the package's own Python and view work, what it
-costs on every layer of every step, without a GPU. A/B two revisions by running it on each (``git stash``).
+costs on every layer of every step, without a GPU. To compare two revisions, run it on each.
 
-    python -m pytest -q -s -p no:cacheprovider scripts/dev/host_cpu_standin.py
+    python scripts/dev/host_cpu_standin.py          # or: python -m pytest -q -s scripts/dev/host_cpu_standin.py
 
-Prints, per round of 60 generate()-driven steps of an 8-layer conftest DeepSeek-V3 (batch 4), the median time of a
-step's first layer (which builds the step's route) and of the others, in microseconds.
+Prints, per repetition of 60 generate()-driven steps of an 8-layer conftest DeepSeek-V3 (batch 4), the median time
+of a step's first layer (which builds the step's route) and of the others, in microseconds.
 """
 
+import argparse
 import os
 import statistics
 import sys
 import time
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
@@ -47,6 +49,16 @@ def test_attention_function_host_time(fake_hopper, monkeypatch):
             first = [t for i, t in enumerate(steps) if i % LAYERS == 0]
             others = [t for i, t in enumerate(steps) if i % LAYERS]
             rounds.append((statistics.median(first) * 1e6, statistics.median(others) * 1e6))
-    print("\nattention function per layer, us (first layer / others), per round:",
+    print("\nattention function per layer, us (first layer / others), per repetition:",
           ", ".join(f"{a:.0f} / {b:.1f}" for a, b in rounds), f"| best of the others: {min(b for _, b in rounds):.1f}")
     assert all(a > 0 and b > 0 for a, b in rounds)
+
+
+def main(argv=None) -> int:
+    """The measurement under pytest (it uses the stand-in's fixtures)."""
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    return int(pytest.main([__file__, "-q", "-s", "-p", "no:cacheprovider"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Where ``test_generate_static_cache_graphs_equal_compiled_without_graphs`` parts (2026-12-02: once without and
-once with inductor's deterministic mode, the second time from the second decode step, in the most left-padded row
-only, logits rel err 2.9e-3).
+"""Whether a compiled static-cache decode step gives the same logits with CUDA graphs as without, and where they part
+if not, on the rows of the GPU test ``test_generate_static_cache_graphs_equal_compiled_without_graphs``
+(``tests/gpu/test_gpu_backends.py``): the kernel first, then the two compiled ``generate()`` calls.
 
 1. ``kernel``: fa3 over the test's rows at each of its 24 steps (B=4, left padding 27/44/0/59, a static cache of
    88 rows), planned fresh and through a CUDA-graph slot, each run `--reps` times on the same operands: any
@@ -137,8 +137,9 @@ def generate_part(loops: int, check: bool) -> list[dict]:
                                         output_logits=True, return_dict_in_generate=True)
             now = kernel_configs()
             kernels[mode] = {v[1]: v for k, v in now.items() if k not in known}  # this compile's new kernels
-            print(json.dumps(dict(loop=loop, mode=mode, new_kernels=len(kernels[mode]), checker_mismatches=findings[before:][:5],
-                                  checker_count=len(findings) - before)), flush=True)
+            print(json.dumps(dict(loop=loop, mode=mode, new_kernels=len(kernels[mode]),
+                                  checker_mismatches=findings[before:][:5], checker_count=len(findings) - before)),
+                  flush=True)
         a, b = torch.stack(runs["reduce-overhead"].logits), torch.stack(runs["default"].logits)
         table = [[0.0 if torch.equal(a[t, r], b[t, r]) else round(rel(a[t, r], b[t, r]), 5)
                   for r in range(a.shape[1])] for t in range(a.shape[0])]
@@ -162,9 +163,10 @@ def generate_part(loops: int, check: bool) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", nargs="+", default=["kernel", "generate"], choices=["kernel", "generate"])
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--loops", type=int, default=3)
-    p.add_argument("--check", action="store_true")
+    p.add_argument("--reps", type=int, default=20, help="kernel part: runs of each step's operands")
+    p.add_argument("--loops", type=int, default=3, help="generate part: repeats of the two compiled calls")
+    p.add_argument("--check", action="store_true",
+                   help="generate part: every slot run outside a capture against a step planned afresh, bitwise")
     p.add_argument("--deterministic", action="store_true", help="compile under inductor's deterministic mode")
     p.add_argument("--no-benchmarking", action="store_true",
                    help="no compile-time benchmarking at all: pointwise configs (triton.autotune_pointwise) and matmul "
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
                    help="no compile artifact or autotuning result read from inductor's caches (FX graph, AOTAutograd, "
                         "autotune)")
     p.add_argument("--load", action="store_true", help="a second process runs bf16 matmuls meanwhile")
-    p.add_argument("--out", default="probe_out")
+    p.add_argument("--out", default="probe_out", help="directory for the JSON and the log")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "gpu"))

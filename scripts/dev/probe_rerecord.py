@@ -8,11 +8,8 @@ It also counts, at each static cache ``generate()`` builds, the earlier ones sti
 allocates a new cache's latent layers where ``generate()`` builds it, before the prefill (Transformers allocates
 them inside the prefill's first layer, where the prefill's activations may already hold the blocks the last call's
 cache freed); ``--reuse-cache`` passes one `StaticCache` of the user's own, reset before every call, as the README
-advises. On an H200 (2026-12-04): DeepSeek-V3's attention shape at batch 32, 4k recorded again in 4 calls of 5 with
-no earlier cache alive, for sdpa too; ``--early-init`` stopped it for sdpa (from the second call) and for
-flashinfer_mla from the third; ``--reuse-cache`` recorded nothing after the first call for both, and for
-DeepSeek-V2-Lite at batch 8, where ``--early-init`` only halved the recordings (other static inputs still moved,
-one of them by 512 bytes: a small tensor, not a cache's keys or values).
+advises. A call that records no graph after the first is in a steady state; the log names every static input that
+moved, with its addresses.
 
     python scripts/dev/probe_rerecord.py --model deepseek-v2-lite --batch 1 --calls 4 --out OUT
     python scripts/dev/probe_rerecord.py --model deepseek-v3-attn --layers 4 --batch 32 --prompt 4096 --new 64 \
@@ -76,11 +73,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="deepseek-v2-lite", choices=bc.MODEL_NAMES)
     p.add_argument("--attn", nargs="+", default=["flashinfer_mla", "sdpa"], choices=bc.ATTNS)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--new", type=int, default=16)
-    p.add_argument("--calls", type=int, default=4)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--out", default=None)
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument("--new", type=int, default=16, help="new tokens per call")
+    p.add_argument("--calls", type=int, default=4, help="generate() calls per implementation (the first compiles)")
+    p.add_argument("--layers", type=int, default=None, help="override the depth")
+    p.add_argument("--out", default=None, help="directory for probe_rerecord.txt (summary, then the whole log)")
     p.add_argument("--early-init", action="store_true",
                    help="allocate each static cache's latent layers when generate() builds the cache, before the "
                         "prefill (Transformers allocates them lazily, inside the prefill's first layer)")

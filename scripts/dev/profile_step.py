@@ -23,19 +23,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import bench_common as bc  # noqa: E402
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--cells", nargs="+", default=["1x1024", "32x4096"])
-    p.add_argument("--attn", nargs="+", default=["sdpa", "flashinfer_mla"])
-    p.add_argument("--model", default="deepseek-v3-attn")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--top", type=int, default=45)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", nargs="+", default=["1x1024", "32x4096"], help="BATCHxCONTEXT")
+    p.add_argument("--attn", nargs="+", default=["sdpa", "flashinfer_mla"], choices=bc.ATTNS)
+    p.add_argument("--model", default="deepseek-v3-attn", choices=bc.MODEL_NAMES)
+    p.add_argument("--steps", type=int, default=20, help="steps timed, then profiled")
+    p.add_argument("--top", type=int, default=45, help="functions listed per sort order")
     p.add_argument("--graphs", action="store_true", help="StaticCache + torch.compile(mode='reduce-overhead')")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
-    p.add_argument("--out", default=None)
-    p.add_argument("--name", default="profile_step.txt")
-    args = p.parse_args()
+    p.add_argument("--out", default=None, help="directory for the report")
+    p.add_argument("--name", default="profile_step.txt", help="the report's file name")
+    args = p.parse_args(argv)
     import hf_flashinfer_mla  # noqa: F401
 
     device, dtype = bc.resolve_device(args.device), bc.DTYPES[args.dtype]
@@ -46,7 +46,8 @@ def main() -> int:
         batch, context = map(int, cell.split("x"))
         for attn in args.attn:
             model.set_attn_implementation(attn)
-            cache = bc.make_cache("static" if args.graphs else "dynamic", attn, config, context + 4 + 2 * args.steps + 8)
+            kind = "static" if args.graphs else "dynamic"
+            cache = bc.make_cache(kind, attn, config, context + 4 + 2 * args.steps + 8)
             bc.fill_cache(cache, config, batch, context, dtype, device)
             forward = None
             if args.graphs:
@@ -57,8 +58,9 @@ def main() -> int:
             prof.enable()
             bc.decode_steps(model, cache, batch, context, 0, args.steps, forward=forward)
             prof.disable()
-            head = (f"== {attn}{' graphs' if args.graphs else ''} B={batch} ctx={context}: step {timed['ms_median']:.2f} ms, host "
-                    f"{timed['host_ms_median']:.2f} ms (median of {args.steps}, no profiler)")
+            head = (f"== {attn}{' graphs' if args.graphs else ''} B={batch} ctx={context}: step "
+                    f"{timed['ms_median']:.2f} ms, host {timed['host_ms_median']:.2f} ms (median of {args.steps}, "
+                    "no profiler)")
             print(head, flush=True)
             report.write(head + "\n")
             for key in ("cumulative", "tottime"):

@@ -3,9 +3,10 @@
 torch's scaled_dot_product_attention at DeepSeek-V3's decode shape (128 heads, q/k head dim 192, v head dim 128),
 at a fixed key length against a key length that grows by one per call, with each backend torch allows.
 
-    python scripts/dev/sdpa_shapes.py
+    python scripts/dev/sdpa_shapes.py [--cells 1x1024 32x4096] [--steps 20]
 """
 
+import argparse
 import time
 
 import torch
@@ -25,12 +26,18 @@ def timed(q, k, v, grow: bool, steps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", nargs="+", default=["1x1024", "32x4096"], help="BATCHxCONTEXT (key length)")
+    p.add_argument("--steps", type=int, default=20, help="timed calls per measurement (median)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
     dev, dt = torch.device("cuda"), torch.bfloat16
-    for batch, ctx in ((1, 1024), (32, 4096)):
+    for batch, ctx in (tuple(map(int, cell.split("x"))) for cell in args.cells):
         q = torch.randn(batch, 128, 1, 192, device=dev, dtype=dt)
-        k = torch.randn(batch, 128, ctx + 20, 192, device=dev, dtype=dt)
-        v = torch.randn(batch, 128, ctx + 20, 128, device=dev, dtype=dt)
+        k = torch.randn(batch, 128, ctx + args.steps, 192, device=dev, dtype=dt)
+        v = torch.randn(batch, 128, ctx + args.steps, 128, device=dev, dtype=dt)
         names = {int(b): b.name for b in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                           SDPBackend.CUDNN_ATTENTION)}
         choice = torch._fused_sdp_choice(q, k, v)
@@ -40,10 +47,10 @@ def main() -> None:
             for grow in (False, True):
                 try:
                     if backends is None:
-                        ms = timed(q, k, v, grow)
+                        ms = timed(q, k, v, grow, args.steps)
                     else:
                         with sdpa_kernel(backends):
-                            ms = timed(q, k, v, grow)
+                            ms = timed(q, k, v, grow, args.steps)
                     print(f"  {name:10s} {'growing' if grow else 'fixed':8s} key length: {ms:8.3f} ms per call")
                 except RuntimeError as exc:
                     print(f"  {name:10s} {'growing' if grow else 'fixed':8s}: {type(exc).__name__}: {str(exc)[:80]}")

@@ -1,7 +1,11 @@
 """FlashInfer 0.7.4's real trtllm_batch_decode_with_kv_cache_mla on the CPU for the dense calls (trtllm-gen, cute-dsl,
 CUDA-graph slots, continuous batching): only the device queries and the native launches are replaced, by emulators
-of the launcher's checks that read the operands as the kernels do. See README.md here."""
+of the launcher's checks that read the operands as the kernels do. See README.md here.
 
+    python scripts/dev/flashinfer_entry/dense.py [-k cb]
+"""
+
+import argparse
 import os
 import sys
 
@@ -150,3 +154,16 @@ def _cb(real, monkeypatch, page_size, heads):
 def test_cb(real, monkeypatch, page_size, heads):
     errs, same, calls = _cb(real, monkeypatch, page_size, heads)
     assert errs == [None] * 5 and same and calls
+
+
+def main(argv=None) -> int:
+    """These probes under pytest (``-k`` selects some by name)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-k", dest="keyword", default=None, help="run only the probes whose names match (pytest -k)")
+    args = parser.parse_args(argv)
+    return int(pytest.main([__file__, "-q", "-s", "-p", "no:cacheprovider",
+                            *(["-k", args.keyword] if args.keyword else [])]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

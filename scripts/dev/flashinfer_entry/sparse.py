@@ -1,7 +1,11 @@
 """The sparse (DSA) trtllm-gen call against FlashInfer 0.7.4's own Python path (native launch emulated), and the
-per-token bookkeeping on the stand-in (tests/test_trtllm.py). See README.md here."""
+per-token bookkeeping on the stand-in (tests/test_trtllm.py). See README.md here.
+
+    python scripts/dev/flashinfer_entry/sparse.py [-k EXPR]
+"""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -220,3 +224,16 @@ def test_dense_and_sparse_layers_share_one_step_plan(fake_blackwell):
     assert [c.get("sparse") for c in calls] == [None, K, None]
     assert calls[0]["counter"] is calls[1]["counter"] is calls[2]["counter"]
     assert rel_err(dense, ref_d) < 1e-9 and rel_err(sparse, ref_s) < 1e-9 and rel_err(dense2, ref_d) < 1e-9
+
+
+def main(argv=None) -> int:
+    """These probes under pytest (``-k`` selects some by name)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-k", dest="keyword", default=None, help="run only the probes whose names match (pytest -k)")
+    args = parser.parse_args(argv)
+    return int(pytest.main([__file__, "-q", "-s", "-p", "no:cacheprovider",
+                            *(["-k", args.keyword] if args.keyword else [])]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# The GPU round behind BENCHMARKS.md: the whole GPU suite and the published benchmarks, in modes that each fit one
+# device call of at most 10 minutes (each command is bounded by `timeout`; a mode's bound is the sum of its
+# commands'). Name several modes to run them one after the other in one call. Run it from the repository root.
+#
+#   bash scripts/dev/gpu_round.sh suite host   # the whole tests/gpu in five processes (gpu_suite_parallel.py), then
+#                                              # host time per step, layer and attention call (bench_host.py, V3
+#                                              # shape, batch 32, 4k), twice; AB=DIR alternates it with the package
+#                                              # in DIR/hf_flashinfer_mla (another revision: git archive REV
+#                                              # hf_flashinfer_mla | tar x -C DIR), all timed by this bench_host.py
+#   bash scripts/dev/gpu_round.sh grid kernel  # DeepSeek-V3's attention shape (4 layers): the eager-mode grid, batch
+#                                              # 1/8/32/128 x 1k/4k/16k/32k; its batch-1 1k cell three more times;
+#                                              # the CUDA-graph cell (batch 32, 4k) against sdpa (bench_decode.py);
+#                                              # one layer per backend and cache layout (bench_kernel.py)
+#   bash scripts/dev/gpu_round.sh generate     # real static-cache generate() (bench_generate.py), the stop condition
+#                                              # read a step late and every step: V3 shape 32 x 4k, 64 new tokens,
+#                                              # against sdpa; DeepSeek-V2-Lite, 512-token prompts, batch 1 and 8
+#   bash scripts/dev/gpu_round.sh depth        # the same 32 x 4k generate() cell at DeepSeek-V3's 61 layers
+#   bash scripts/dev/gpu_round.sh serving      # 256 requests at once, DeepSeek-V2-Lite: continuous batching against
+#                                              # static generate() batches (bench_serving.py)
+#   bash scripts/dev/gpu_round.sh serving-v3   # the same on the V3 attention shape, with the SDPA-prefill A/B
+#   bash scripts/dev/gpu_round.sh sparse       # DeepSeek-V3.2's attention with its indexer: the eager-mode grid,
+#                                              # batch 1/8/32 x 8k-128k, then 160k at batch 32
+#   bash scripts/dev/gpu_round.sh fp8          # the FP8 latent cache against bf16 (bench_fp8_cache.py); FP8 weights
+#                                              # in every attention linear (bench_quantized.py)
+#   bash scripts/dev/gpu_round.sh tp           # two GPUs (nvidia-h200-x2): the tensor-parallel and device_map tests
+#   bash scripts/dev/gpu_round.sh tp-bench     # two GPUs: one GPU vs TP=2 vs a device_map split (bench_tp.py)
+#   bash scripts/dev/gpu_round.sh bench        # every one-GPU benchmark mode in turn, for a machine without the
+#                                              # 10-minute limit (grid kernel generate depth serving serving-v3
+#                                              # sparse fp8)
+#
+# A round on the device tool, one call per line: `suite host`, `grid kernel`, `generate`, `depth`, then as the
+# budget allows `serving`, `serving-v3`, `sparse`, `fp8`; `tp` and `tp-bench` on nvidia-h200-x2.
+#
+# Output: ${OUT:-bench_out}/env.txt (date, GPU, driver, CPU, versions, commit, modes), and per mode a folder with
+# <mode>.log (every command, then its output) and the scripts' JSON. PACK=1 packs them all into one
+# gpu_round_<modes>.tgz instead (the device tool brings back at most 8 files per call). COMMIT=<sha> names the
+# revision in env.txt where the tree's .git may not match it (a copied working tree).
+#
+# The device machine is offline: the devkit (FlashInfer's sources with kernels compiled ahead of time, and the
+# Transformers wheels; ../shared/devkit/README.md) travels with the call as .devkit/, carried: `carry: [".devkit"]`.
+set -uo pipefail
+
+ROOT=$(pwd)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+# The devkit: .devkit/kit.tgz (FlashInfer, apache-tvm-ffi and the precompiled kernels, unpacked to /tmp/kit/site)
+# and .devkit/wheels/*.whl (Transformers and what it needs beyond the image, installed to /tmp/site), ahead of the
+# tree on PYTHONPATH. Without .devkit/ the machine's own packages run (a GPU host with network access).
+devkit() {
+  if [ ! -d "$ROOT/.devkit" ]; then
+    echo "no .devkit/: the installed FlashInfer and Transformers run"
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+    return 0
+  fi
+  if [ -f "$ROOT/.devkit/kit.tgz" ] && [ ! -d /tmp/kit/site ]; then
+    mkdir -p /tmp/kit && tar xzf "$ROOT/.devkit/kit.tgz" -C /tmp/kit || return 1
+  fi
+  if compgen -G "$ROOT/.devkit/wheels/*.whl" > /dev/null && [ ! -d /tmp/site ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$ROOT"/.devkit/wheels/*.whl \
+      || return 1
+  fi
+  export PYTHONPATH=/tmp/kit/site:/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+}
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+
+MODES="suite host grid kernel generate depth serving serving-v3 sparse fp8 tp tp-bench bench"
+if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
+for m in "$@"; do
+  case " $MODES " in *" $m "*) ;; *) echo "gpu_round.sh: unknown mode '$m' (modes: $MODES)" >&2; exit 2 ;; esac
+done
+set -- $(for m in "$@"; do [ "$m" = bench ] && echo grid kernel generate depth serving serving-v3 sparse fp8 \
+  || echo "$m"; done)
+
+O=${OUT:-bench_out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
+devkit || { echo "gpu_round.sh: the devkit could not be set up" >&2; exit 1; }
+{ date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1
+  lscpu 2>/dev/null | grep -E "^Model name|^CPU\(s\)"
+  python3 -c "import torch, transformers, flashinfer; print('torch', torch.__version__, '| transformers',
+    transformers.__version__, '| flashinfer', flashinfer.__version__)" 2>&1
+  echo "commit ${COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  echo "modes $*"; } >> "$O/env.txt"
+cat "$O/env.txt"
+
+FAILED=0
+# run SECONDS COMMAND...: COMMAND under `timeout`, appended to the mode's log after a line naming it.
+run() {
+  local limit=$1; shift
+  echo "## $*" >> "$D/$MODE.log"
+  timeout "$limit" "$@" >> "$D/$MODE.log" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ]; then echo "exit $rc" >> "$D/$MODE.log"; FAILED=1; fi
+}
+# The log's tables and verdicts, without progress lines and warnings.
+show() { echo "== $MODE"; grep -v "^  \|Loading\|[Ww]arn" "$D/$MODE.log" | tail -"${1:-40}"; }
+
+mode_suite() {
+  local durations
+  durations=$(ls -d "$ROOT"/benchmarks/*/*/suite/gpu_suite_durations.json 2>/dev/null | sort | tail -1)
+  run 340 python3 scripts/dev/gpu_suite_parallel.py --workers 5 --timeout 320 \
+    ${durations:+--durations "$durations"} --out "$D"
+  show 12
+}
+
+mode_host() {
+  local order="this this" i=0 v pp want got
+  [ -n "${AB:-}" ] && order="ab this ab this"
+  for v in $order; do
+    i=$((i + 1)) pp=$PYTHONPATH want=$ROOT/hf_flashinfer_mla
+    if [ "$v" = ab ]; then pp=$(cd "$AB" && pwd):$PYTHONPATH; want=$(cd "$AB" && pwd)/hf_flashinfer_mla; fi
+    # (from $D: `python3 -c` puts the working directory first on sys.path, which would find this tree's package)
+    got=$(cd "$D" && PYTHONPATH=$pp python3 -c "import os, hf_flashinfer_mla as m; print(os.path.dirname(m.__file__))" \
+      2>&1)
+    echo "## run $i ($v) imports $got" >> "$D/$MODE.log"
+    # (an A/B whose other package is missing would time this package twice under two names)
+    if [ "$got" != "$want" ]; then echo "skipped: expected $want" >> "$D/$MODE.log"; FAILED=1; continue; fi
+    PYTHONPATH=$pp run 60 python3 scripts/bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
+      --attn flashinfer_mla --steps 10 --out "$D" --name "host_${i}_$v.json"
+  done
+  show 40
+}
+
+mode_grid() {
+  run 230 python3 scripts/bench_decode.py --model deepseek-v3-attn --batch 1 8 32 128 \
+    --context 1024 4096 16384 32768 --steps 6 --warmup 2 --time-limit 200 --out "$D" --name decode_eager.json
+  run 60 python3 scripts/bench_decode.py --model deepseek-v3-attn --batch 1 --context 1024 1024 1024 --steps 10 \
+    --warmup 3 --no-floor --out "$D" --name decode_b1_1k.json
+  run 100 python3 scripts/bench_decode.py --graphs --batch 32 --context 4096 --attn flashinfer_mla sdpa \
+    --steps 10 --time-limit 80 --out "$D" --name decode_graphs_target.json
+  show 60
+}
+
+mode_kernel() {
+  run 75 python3 scripts/bench_kernel.py --heads 16 128 --batch 128 --context 4096 --plan-reps 10 --iters 50 \
+    --out "$D" --name kernel.json
+  show 30
+}
+
+mode_generate() {
+  run 280 python3 scripts/bench_generate.py --model deepseek-v3-attn --static --prompt 4096 --new 64 --batch 32 \
+    --attn sdpa flashinfer_mla --stop-check every late --repeats 2 --out "$D" --name generate_v3_static.json
+  run 240 python3 scripts/bench_generate.py --model deepseek-v2-lite --static --prompt 512 --new 64 --batch 1 8 \
+    --attn sdpa flashinfer_mla --stop-check every late --repeats 2 --out "$D" --name generate_v2lite_static.json
+  show 30
+}
+
+mode_depth() {
+  run 540 python3 scripts/bench_generate.py --model deepseek-v3-attn --layers 61 --static --prompt 4096 --new 64 \
+    --batch 32 --attn flashinfer_mla --stop-check every late --repeats 1 --out "$D" \
+    --name generate_v3_61_layers_static.json
+  show 12
+}
+
+mode_serving() {
+  run 540 python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D"
+  show 20
+}
+
+mode_serving_v3() {
+  run 400 python3 scripts/bench_serving.py --model deepseek-v3-attn --no-progress --out "$D" \
+    --modes cb-flashinfer_mla cb-flashinfer_mla-sdpa-prefill generate-flashinfer_mla generate-sdpa
+  show 20
+}
+
+mode_sparse() {
+  run 330 python3 scripts/bench_decode.py --model deepseek-v32-attn --batch 1 8 32 \
+    --context 8192 32768 65536 131072 --steps 5 --warmup 2 --time-limit 260 --out "$D" --name decode_v32.json
+  run 60 python3 scripts/bench_decode.py --model deepseek-v32-attn --batch 32 --context 163840 \
+    --attn flashinfer_mla --steps 3 --warmup 1 --no-floor --out "$D" --name decode_v32_longest.json
+  show 40
+}
+
+mode_fp8() {
+  run 400 python3 scripts/bench_fp8_cache.py --json "$D/fp8_cache.json"
+  run 120 python3 scripts/bench_quantized.py --batch 32 --context 4096 --json "$D/quantized_fp8_weights.json"
+  show 40
+}
+
+mode_tp() {
+  run 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_tensor_parallel.py tests/gpu/test_multi_gpu.py
+  show 40
+}
+
+mode_tp_bench() {
+  run 540 python3 scripts/bench_tp.py --out "$D"
+  show 40
+}
+
+for MODE in "$@"; do
+  D=$O/$MODE; mkdir -p "$D"
+  "mode_${MODE//-/_}"
+done
+
+if [ "${PACK:-0}" = 1 ]; then
+  archive=gpu_round_$(IFS=-; echo "$*").tgz
+  (cd "$O" && tar czf "$archive" env.txt "$@" && rm -rf env.txt "$@") && echo "packed $O/$archive"
+fi
+exit $FAILED
