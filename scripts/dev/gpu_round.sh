@@ -7,7 +7,8 @@
 #                                              # host time per step, layer and attention call (bench_host.py, V3
 #                                              # shape, batch 32, 4k), twice; AB=DIR alternates it with the package
 #                                              # in DIR/hf_flashinfer_mla (another revision: git archive REV
-#                                              # hf_flashinfer_mla | tar x -C DIR), all timed by this bench_host.py
+#                                              # hf_flashinfer_mla | tar x -C DIR), all timed by this bench_host.py;
+#                                              # a LoRA on kv_b_proj against none (bench_adapters.py)
 #   bash scripts/dev/gpu_round.sh grid kernel  # DeepSeek-V3's attention shape (4 layers): the eager-mode grid, batch
 #                                              # 1/8/32/128 x 1k/4k/16k/32k; its batch-1 1k cell three more times;
 #                                              # the CUDA-graph cell (batch 32, 4k) against sdpa (bench_decode.py);
@@ -98,7 +99,7 @@ show() { echo "== $MODE"; grep -v "^  \|Loading\|[Ww]arn" "$D/$MODE.log" | tail 
 
 mode_suite() {
   local durations
-  durations=$(ls -d "$ROOT"/benchmarks/*/*/suite/gpu_suite_durations.json 2>/dev/null | sort | tail -1)
+  durations=$(ls "$ROOT"/benchmarks/gpu_suite_durations.json 2>/dev/null)
   run 340 python3 scripts/dev/gpu_suite_parallel.py --workers 5 --timeout 320 \
     ${durations:+--durations "$durations"} --out "$D"
   show 12
@@ -119,6 +120,7 @@ mode_host() {
     PYTHONPATH=$pp run 60 python3 scripts/bench_host.py --model deepseek-v3-attn --batch 32 --context 4096 \
       --attn flashinfer_mla --steps 10 --out "$D" --name "host_${i}_$v.json"
   done
+  run 120 python3 scripts/bench_adapters.py --model deepseek-v3-attn --batch 32 --context 4096 --rank 16 --out "$D"
   show 40
 }
 
