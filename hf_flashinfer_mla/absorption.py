@@ -14,15 +14,16 @@ Where the dense matrix comes from:
   the module) until its weight is another tensor or lives in other memory; ``.to()`` drops them at once (the hook
   in ``models.py``), and a weight replaced otherwise is let go at its layer's next decode. Under tensor parallelism
   the weight is a DTensor; its local shard (this rank's heads) is used.
-* A PEFT LoRA layer: its base layer is absorbed as either kind here is, and its adapters' factors are applied live, at rank r,
-  on top (``adapters.py``): nothing derived from an adapter can go stale, hot-swaps through ``.data`` included.
-* Any other module (FP8, bitsandbytes, GPTQ/AWQ, compressed-tensors, a custom linear): the dense
-  matrix is derived once, in the activation dtype, with the quantizer's own dequantize function where there is one
-  (`DEQUANTIZERS`) and otherwise format-blind, by running the module on the identity basis of its input width
-  (``proj(I) - proj(0)`` is exactly ``W^T``). The copy is a non-persistent buffer of ``kv_b_proj``: it moves with
-  ``.to()``, is never saved, and is re-derived when any parameter or buffer of the module changes (identity or
-  version; a write through ``weight.data`` is the one change no key sees). It costs ``rows * kv_lora_rank`` activation-dtype values per layer (32 MiB
-  per layer for DeepSeek-V3 in bf16), paid only by layers that decode. Such a module gives no absorbed path when
+* A PEFT LoRA layer: its base layer is absorbed as either kind here is, and its adapters' factors are applied
+  live, at rank r, on top (``adapters.py``): nothing derived from an adapter can go stale, hot-swaps through
+  ``.data`` included.
+* Any other module (FP8, bitsandbytes, GPTQ/AWQ, compressed-tensors, a custom linear): the dense matrix is derived
+  once, in the activation dtype, with the quantizer's own dequantize function where there is one (`DEQUANTIZERS`)
+  and otherwise format-blind, by running the module on the identity basis of its input width (``proj(I) -
+  proj(0)`` is exactly ``W^T``). The copy is a non-persistent buffer of ``kv_b_proj``: it moves with ``.to()``, is
+  never saved, and is re-derived when any parameter or buffer of the module changes (identity or version; a write
+  through ``weight.data`` is the one change no key sees). It costs ``rows * kv_lora_rank`` activation-dtype values
+  per layer (32 MiB per layer for DeepSeek-V3 in bf16), paid only by layers that decode. Such a module gives no absorbed path when
   its parameters need gradients, or when its forward is not linear (dropout in train mode, say).
 
 Where no absorbed weight can be trusted to compute what the module computes, the attention expands the latent

@@ -8,8 +8,8 @@ views of the filled part; when full it grows geometrically (1.5x), so a token is
 The layout is chosen for the kernel that will read it, from the device, at the first allocation:
 
 * split (Hopper, Ampere, CPU): the latent ``[batch, 1, capacity, kv_lora_rank]`` and the rotary key ``[batch, 1,
-  capacity, rope]`` in two buffers, which FlashInfer's fa3/fa2 read in place (on an H200, one layer at 16 heads,
-  the split and packed layouts read within 0.5% of each other, ~78% of copy bandwidth: BENCHMARKS.md);
+  capacity, rope]`` in two buffers, which FlashInfer's fa3/fa2 read in place (as fast as the packed layout:
+  BENCHMARKS.md, "One layer's decode kernel");
 * packed (Blackwell, SM100/SM103): both in one ``[batch, 1, capacity, kv_lora_rank + rope]`` buffer, the paged
   layout trtllm-gen reads (``trtllm.packed_pages``); the capacity is kept a multiple of its page size.
 

@@ -218,9 +218,8 @@ def _stop_checked_a_step_late(original):
     # the GPU each step and only then builds the next one: with CUDA graphs the GPU then idles for the host's share of
     # the step. Transformers (5.24, 5.25) has the cure, `DeferredStopCheck` (read the flag one step late, run one extra
     # forward when every row has stopped and undo it: tokens, scores, logits, and the cache where it is returned),
-    # but enables it on MPS only ("we should enable it for cuda if we observe perf gains"). On an H200 the gain is
-    # measured (BENCHMARKS.md, real generate() on DeepSeek-V3's attention shape with CUDA graphs, batch 32, 4k: the
-    # GPU's step 3.39 -> 2.42 ms at 4 layers, 33.2 -> 28.6 ms at 61), so for the caches generate() prepared for a
+    # but enables it on MPS only ("we should enable it for cuda if we observe perf gains"). With CUDA graphs the
+    # gain on CUDA is large (BENCHMARKS.md, "CUDA-graph step"), so for the caches generate() prepared for a
     # flashinfer_mla model it is enabled on CUDA too, under Transformers' own rules for the rest: never for an
     # assistant, and a returned cache must be croppable.
     # $HF_FLASHINFER_MLA_DEFER_STOP=0 turns it off (the extra step calls logits processors and stopping criteria

@@ -7,9 +7,10 @@ its first visible row, which is how left padding and the static cache's unfilled
 copied, and where every sequence sees one run of rows (every mask Transformers builds) the page table is a fixed
 identity whose offsets go into the plan: no step builds indices (`addressing`).
 
-FlashInfer's public ``BatchMLAPagedAttentionWrapper.plan`` costs about 1.6 ms per step on 0.7.4: Python contract
-checks, a new backend object with fresh 8 MiB workspaces per plan, and ``aminmax(kv_indices).item()``, a device
-sync. For the FlashInfer releases in `TESTED_FLASHINFER` the builder instead calls the generated module directly,
+FlashInfer's public ``BatchMLAPagedAttentionWrapper.plan`` costs more host time per step than a whole decode layer
+(BENCHMARKS.md, "One layer's decode kernel"): Python contract checks, a new backend object with fresh 8 MiB
+workspaces per plan, and ``aminmax(kv_indices).item()``, a device sync. For the FlashInfer releases in
+`TESTED_FLASHINFER` the builder instead calls the generated module directly,
 as SGLang's ``fast_mla_decode_plan`` does (`GeneratedFa`): FlashInfer's own host-side validators first (the
 work-item capacity and the causal tile bound: a refused plan raises `Refused`, never launches; decode steps that a
 bound proves acceptable skip them, `work_items_bound`), then its native ``plan`` on host arrays (the scheduler
