@@ -473,3 +473,44 @@ def test_a_lora_over_a_4bit_base_follows_its_adapter_as_written():
     err, _, after = decode_vs_eager(pm, ids, mask, forced)
     assert rel_err(after, before) > 1e-3, "the write changed nothing"
     assert err < TOL32 * 10
+
+
+def test_a_compiled_decode_step_follows_a_hot_swap_without_recompiling():
+    """The point of hot-swapping: a compiled decode step (one graph, as CUDA graphs need) reads the new adapter's
+    factors after ``hotswap_adapter_from_state_dict``, as the same steps uncompiled do, without compiling again."""
+    from peft.utils.hotswap import hotswap_adapter_from_state_dict
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    # Dense layers only: the MoE's eager experts have data-dependent shapes that no decode graph can hold.
+    base = make_model("deepseek_v3", dtype=torch.float32, first_k_dense_replace=2)
+    torch.manual_seed(100)
+    pm = get_peft_model(base, lora_config(), adapter_name=FIRST).eval()
+    model = pm.get_base_model()
+    ids, mask, _ = left_padded_batch()
+
+    def steps(forward, n=3):
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + n + 2)
+        m, pos = mask, (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=m, position_ids=pos, cache=cache, use_cache=True)
+            logits = []
+            for _ in range(n):
+                m, pos = torch.cat([m, torch.ones_like(m[:, :1])], -1), pos[:, -1:] + 1
+                out = forward(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=m, position_ids=pos,
+                              cache=cache, use_cache=True)
+                logits.append(out.logits)
+        return torch.cat(logits, 1)
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+    before = steps(compiled)
+    assert rel_err(before, steps(model)) < TOL32
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(11)
+    state = {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in pm.state_dict().items()
+             if f"lora_B.{FIRST}." in k or f"lora_A.{FIRST}." in k}
+    hotswap_adapter_from_state_dict(pm, state, adapter_name=FIRST, config=lora_config())
+    after = steps(compiled)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "the hot-swap recompiled"
+    assert rel_err(after, before) > 1e-3, "the swap changed nothing"
+    assert rel_err(after, steps(model)) < TOL32
