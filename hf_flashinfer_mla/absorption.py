@@ -55,10 +55,9 @@ from . import adapters
 
 logger = logging.getLogger("hf_flashinfer_mla")
 
-# A documented cache: each attention module's W_UK/W_UV views of its plain kv_b_proj weight, for inference, with
-# what the views depend on (the linear, its weight and bias objects, their storage, the hooks that may run on it;
-# a view follows the weight's values). Weak, and kept off the module, so an entry dies with its module and deepcopy or a state dict
-# never sees it.
+# A documented cache: each attention module's W_UK/W_UV views of its plain kv_b_proj weight (or its LoRA's base),
+# for inference, with what the views depend on (`_Views`; a view follows the weight's values). Weak, and kept off
+# the module, so an entry dies with its module and deepcopy or a state dict never sees it.
 _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _DENSE = "_flashinfer_mla_dense"  # buffer name on kv_b_proj: [rows, rank] (+1 row: the bias) in the activation dtype
@@ -136,12 +135,12 @@ def _base_weights(module: nn.Module, proj: nn.Module, linear: nn.Module, dtype: 
     inference = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
     # (autograd: each forward's graph gets its own views; a compiled graph holds its own)
     hit = _views.get(module) if inference else None
-    if hit is not None and hit[0] is proj and hit[7] is linear and type(linear) is nn.Linear:
+    if hit is not None and hit.proj is proj and hit.linear is linear and type(linear) is nn.Linear:
         # (a class can be swapped on an instance)
         weight, bias = linear._parameters.get("weight"), linear._parameters.get("bias")
-        if (weight is hit[1] and bias is hit[2] and _storage(weight, bias, hit[3]) == hit[4]
-                and _hooks_key(proj) == hit[6]):
-            return hit[5]
+        if (weight is hit.weight and bias is hit.bias and _storage(weight, bias, hit.sharded) == hit.storage
+                and _hooks_key(proj) == hit.hooks):
+            return hit.views
     if _is_plain_linear(linear):
         if not _absorbable(proj):
             return None
@@ -150,8 +149,8 @@ def _base_weights(module: nn.Module, proj: nn.Module, linear: nn.Module, dtype: 
             return _split(module, weight, bias)
         views = _split(module, weight, bias)
         sharded = isinstance(linear.weight, DTensor)
-        _views[module] = (proj, linear.weight, linear.bias, sharded, _storage(linear.weight, linear.bias, sharded),
-                          views, _hooks_key(proj), linear)
+        _views[module] = _Views(proj, linear, linear.weight, linear.bias, sharded,
+                                _storage(linear.weight, linear.bias, sharded), _hooks_key(proj), views)
         return views
     if torch.is_grad_enabled() and any(p.requires_grad for p in linear.parameters()):
         return None  # a derived copy would carry no gradient to the module's own parameters
@@ -162,6 +161,20 @@ def _base_weights(module: nn.Module, proj: nn.Module, linear: nn.Module, dtype: 
         return None
     weight, bias = dense
     return _split(module, weight, bias)
+
+
+@dataclass(frozen=True, eq=False)
+class _Views:
+    """An entry of `_views`: the views of one layer's plain weight and everything they depend on."""
+
+    proj: nn.Module  # the layer's kv_b_proj
+    linear: nn.Linear  # whose weight they view: kv_b_proj itself, or a LoRA layer's base
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sharded: bool  # DTensors (tensor parallelism): their local shards are what move
+    storage: tuple  # `_storage` of weight and bias
+    hooks: tuple  # `_hooks_key` of kv_b_proj
+    views: AbsorbedWeights
 
 
 def forget_views(module: nn.Module) -> None:
