@@ -38,6 +38,7 @@ import math
 import os
 import sys
 import threading
+import traceback
 import typing
 from typing import Annotated
 
@@ -317,8 +318,16 @@ def _install_answer_caps() -> None:
 RESTART_WAIT = 120.0  # seconds a new request waits for a worker being replaced, before it fails
 
 
-def _free_device_memory(model) -> None:
-    """The old worker's cache is garbage now: free it before the new worker sizes its cache from free memory."""
+def _free_device_memory(model, dead_manager) -> None:
+    """Frees the dead worker's cache before the new worker allocates one as large (its config holds the size now).
+    The worker's error keeps its traceback, whose frames hold the batch processor, its cache and the activations
+    of the step that failed: they are cleared first (the thread has ended: none of them runs)."""
+    error = dead_manager.background_thread_status.fatal_error
+    if error is not None:
+        try:
+            traceback.clear_frames(error.__traceback__)
+        except RuntimeError:  # (a frame still running: nothing to free there)
+            pass
     gc.collect()
     device = getattr(model, "device", None)
     if getattr(device, "type", None) == "cuda":
@@ -373,7 +382,7 @@ def _install_worker_restart_525(runner_class) -> None:
                 old.stop(block=True, timeout=30)
             except Exception:  # noqa: BLE001  (it is dead already: whatever stopping it raises changes nothing)
                 logger.debug("Stopping the dead continuous batching worker raised", exc_info=True)
-            _free_device_memory(model)
+            _free_device_memory(model, old)
             try:
                 self.manager = self._start_continuous_batching(model, cb_config, context_length)
             except Exception:
@@ -390,7 +399,6 @@ def _install_worker_restart_525(runner_class) -> None:
             self._flashinfer_mla_replacing.wait_for(alive, timeout=RESTART_WAIT)
         return original_generate(self, request_id, *args, **kwargs)
 
-    setattr(__init__, _INSTALLED, True)
     runner_class.__init__ = functools.wraps(original_init)(__init__)
     runner_class.generate = functools.wraps(original_generate)(generate)
     setattr(runner_class.__init__, _INSTALLED, True)
@@ -403,16 +411,16 @@ def _install_worker_restart_524(manager_class) -> None:
     original_init_cb, original_is_alive = manager_class.init_cb, manager_class.is_alive
 
     def init_cb(self, model, gen_config):
-        dead = self._cb is not None and self._cb.background_thread_status.fatal_error is not None
-        if dead:
-            error = self._cb.background_thread_status.fatal_error
+        dead = self._cb
+        if dead is not None and dead.background_thread_status.fatal_error is not None:
+            error = dead.background_thread_status.fatal_error
             logger.warning(f"Continuous batching failed ({error}): its requests failed; starting a new worker")
             try:
-                self._cb.stop(block=True, timeout=30)
+                dead.stop(block=True, timeout=30)
             except Exception:  # noqa: BLE001  (it is dead already)
                 logger.debug("Stopping the dead continuous batching worker raised", exc_info=True)
             self._cb = None
-            _free_device_memory(model)
+            _free_device_memory(model, dead)
         original_init_cb(self, model, gen_config)
 
     def is_alive(self):
