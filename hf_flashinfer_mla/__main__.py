@@ -141,7 +141,8 @@ def main(argv=None) -> None:
     if notes:
         print()
     for (backend, reason), cells in notes.items():
-        print(f"{backend} because {reason} ({_where(cells)})" if backend != "error" else f"error ({_where(cells)}): {reason}")
+        where = _where(cells)
+        print(f"{backend} because {reason} ({where})" if backend != "error" else f"error ({where}): {reason}")
 
 
 if __name__ == "__main__":
