@@ -29,6 +29,7 @@ cache memory; its tokens may then differ from eager's where logits are close.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import textwrap
@@ -103,11 +104,31 @@ def tiny_deepseek_v3(dtype, device):
     return model.to(device).eval(), None
 
 
+def check_model_path(path: str) -> None:
+    """Exit 2 with one line unless `path` is a checkpoint directory (a Hub id, ``org/name``, is left to
+    Transformers)."""
+    local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or "\\" in path
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            fail(f"--model {path}: the directory has no config.json; give a checkpoint directory (config.json, "
+                 "weights and tokenizer files)")
+    elif os.path.exists(expanded):
+        fail(f"--model {path}: not a directory; give a checkpoint directory (config.json, weights and tokenizer files)")
+    elif local:
+        fail(f"--model {path}: no such directory; give a local checkpoint directory, or leave --model out for the "
+             "small random model")
+
+
 def load(path, dtype, device):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="flashinfer_mla", dtype=dtype, device_map=device
-    )
-    return model.eval(), transformers.AutoTokenizer.from_pretrained(path)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.expanduser(path), attn_implementation="flashinfer_mla", dtype=dtype, device_map=device
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.expanduser(path))
+    except (OSError, hf_flashinfer_mla.UnsupportedModelError) as exc:  # not found, no weights, not an MLA model
+        fail(f"--model {path}: {' '.join(str(exc).split())}")
+    return model.eval(), tokenizer
 
 
 class StepClock(transformers.LogitsProcessor):
@@ -217,6 +238,11 @@ def main(argv=None) -> int:
         fail("--max-new-tokens must be at least 2 (a decode step needs a token after the prefill's)")
     if args.repeats < 1 or args.warmup < 0:
         fail("--repeats must be at least 1 and --warmup at least 0")
+    if args.prompt and not args.model:
+        fail("--prompt needs --model (a checkpoint with a tokenizer); the random model has none and runs on random "
+             "token ids")
+    if args.model:
+        check_model_path(args.model)
     if args.fp8_cache and "flashinfer_mla" not in args.attn:
         fail("--fp8-cache gives flashinfer_mla the FP8 latent cache: add flashinfer_mla to --attn")
     from transformers import AttentionInterface

@@ -15,6 +15,7 @@ import torch
 
 from . import capabilities
 from .errors import BackendUnavailableError
+from .models import CHECKPOINT_MODEL_TYPES
 
 HEADS = (8, 16, 20, 24, 32, 64, 96, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -69,22 +70,30 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def _device(text: str) -> torch.device:
-    """The torch device `text` names, or exit 2 with one line saying why this machine has no such device."""
+def device_problem(text: str) -> str | None:
+    """Why this machine cannot run on the torch device `text` names (one line, after ``--device ``), or None."""
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
-        _fail(f"--device {text!r} is not a device name torch knows (e.g. cpu, cuda, cuda:1)")
+        return f"{text!r} is not a device name torch knows (e.g. cpu, cuda, cuda:1)"
     if device.type == "cuda":
         if not torch.cuda.is_available():
             why = ("this torch build has no CUDA" if torch.version.cuda is None
                    else f"torch (CUDA {torch.version.cuda}) sees no CUDA GPU")
-            _fail(f"--device {text}: {why} (torch {torch.__version__}); use --device cpu")
+            return f"{text}: {why} (torch {torch.__version__}); use --device cpu"
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            _fail(f"--device {text}: there is no CUDA device {device.index}; this machine has {count} "
-                  f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
-    return device
+            return (f"{text}: there is no CUDA device {device.index}; this machine has {count} "
+                    f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    return None
+
+
+def _device(text: str) -> torch.device:
+    """The torch device `text` names, or exit 2 with one line saying why this machine has no such device."""
+    problem = device_problem(text)
+    if problem is not None:
+        _fail(f"--device {problem}")
+    return torch.device(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,8 +111,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = _parser().parse_args(argv)
+    if args.kv_lora_rank < 1:
+        _fail(f"--kv-lora-rank {args.kv_lora_rank}: the latent width must be at least 1 (the model config's "
+              "kv_lora_rank, e.g. 512)")
+    if args.rope_dim < 0:
+        _fail(f"--rope-dim {args.rope_dim}: the rotary key width must be 0 or more (the model config's "
+              "qk_rope_head_dim, e.g. 64; 0 for a model without rope)")
     device = _device(args.device)
-    requested = capabilities.requested_backend()  # the environment (an unknown value raises here, naming the variable)
+    try:
+        requested = capabilities.requested_backend()  # the environment's choice, if any
+    except BackendUnavailableError as exc:
+        _fail(f"{exc}, or unset it")
     rows, notes = _table(device, args.kv_lora_rank, args.rope_dim, requested)
 
     print(f"torch {torch.__version__}, transformers {_version('transformers')}, "
@@ -114,6 +132,7 @@ def main(argv=None) -> None:
     else:
         print(f"device {device}: no GPU; every decode runs on the PyTorch reference backend")
     print(f"requested backend: {requested} (${capabilities.ENV_VAR}; mla_backend=... at load or per call overrides it)")
+    print(f"model types (a checkpoint's config.json \"model_type\"): {', '.join(CHECKPOINT_MODEL_TYPES)}")
     print(f"latent: kv_lora_rank {args.kv_lora_rank} + rope {args.rope_dim}\n")
     print("decode backend by dtype and number of query heads per device:")
     print(f"{'dtype':<{WIDTH}}" + "".join(f"{f'{h} heads':>{WIDTH}}" for h in HEADS))
@@ -122,7 +141,8 @@ def main(argv=None) -> None:
     if notes:
         print()
     for (backend, reason), cells in notes.items():
-        print(f"{backend} because {reason} ({_where(cells)})" if backend != "error" else f"error ({_where(cells)}): {reason}")
+        where = _where(cells)
+        print(f"{backend} because {reason} ({where})" if backend != "error" else f"error ({where}): {reason}")
 
 
 if __name__ == "__main__":

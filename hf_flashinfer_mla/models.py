@@ -56,9 +56,25 @@ SPARSE_MLA_MODEL_TYPES = (
 )
 SUPPORTED_MODEL_TYPES = DENSE_MLA_MODEL_TYPES + SPARSE_MLA_MODEL_TYPES
 
+# The names users pass, and the ones messages use: the "model_type" of a checkpoint's config.json. A multimodal
+# checkpoint names itself, not its MLA text model (the types above name the attention's model), and Kimi-K2.5's say
+# `kimi_k25` around a `deepseek_v3` text model.
+_CHECKPOINT_TYPE_OF_TEXT_TYPE = {
+    "glm5_next_text": "glm5_next",
+    "hy_v4_vl_text": "hy_v4_vl",
+    "mistral_large4_text": "mistral_large4",
+    "dots3_note_text": "dots3_note",
+}
+CHECKPOINT_MODEL_TYPES = (*(_CHECKPOINT_TYPE_OF_TEXT_TYPE.get(t, t) for t in SUPPORTED_MODEL_TYPES), "kimi_k25")
+
+
+def checkpoint_model_type(model_type: str) -> str:
+    """The name a checkpoint's config.json gives the model whose MLA text model has type `model_type`."""
+    return _CHECKPOINT_TYPE_OF_TEXT_TYPE.get(model_type, model_type)
+
 
 def _supported_list() -> str:
-    return ", ".join(SUPPORTED_MODEL_TYPES)
+    return ", ".join(CHECKPOINT_MODEL_TYPES)
 
 
 def check_model_supported(config):

@@ -1,6 +1,8 @@
 """A new user's first contact, on a CPU machine: the README's install, quick start and first snippet, the example
-(``python examples/generate.py``) and the CLI (``python -m hf_flashinfer_mla``): their help, their errors for a device
-this machine does not have, the example's table and verdict, and torchrun's logs kept out of the temp dir."""
+(``python examples/generate.py``) and the CLI (``python -m hf_flashinfer_mla``): their help, their errors (a device
+this machine does not have, bad dimensions, an unknown backend, a model path that does not exist: one line each, exit
+status 2), the model-type names they use, the example's table and verdict, and torchrun's logs kept out of the temp
+dir."""
 
 from __future__ import annotations
 
@@ -136,6 +138,84 @@ def test_device_cuda_without_cuda_as_the_user_sees_it(command):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and "error: --device cuda: " in lines[0] and "--device cpu" in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--kv-lora-rank", "-5", "--rope-dim", "-1"], "--kv-lora-rank -5: the latent width must be at least 1"),
+    (["--kv-lora-rank", "0"], "--kv-lora-rank 0: the latent width must be at least 1"),
+    (["--rope-dim", "-1"], "--rope-dim -1: the rotary key width must be 0 or more"),
+], ids=["negative-both", "zero-rank", "negative-rope"])
+def test_the_clis_negative_dimensions_are_one_line_and_exit_2(args, says, capsys):
+    """They printed a table of backends for a latent that cannot exist, and exited 0."""
+    status, out, err = _exit(cli.main, ["--device", "cpu", *args], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"python -m hf_flashinfer_mla: error: {says}"), err
+
+
+def test_an_unknown_backend_in_the_environment_as_the_user_sees_it():
+    """It ended in a raw traceback, where every other bad input of the command is one line."""
+    proc = subprocess.run([sys.executable, "-m", "hf_flashinfer_mla", "--device", "cpu"], cwd=REPO,
+                          env=_env(HF_FLASHINFER_MLA_BACKEND="nonsense"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m hf_flashinfer_mla: error: "), proc.stderr
+    assert "'nonsense'" in lines[0] and "$HF_FLASHINFER_MLA_BACKEND" in lines[0] and "reference" in lines[0]
+    assert proc.stdout == ""
+
+
+def test_the_cli_and_the_errors_name_models_as_checkpoints_do(capsys):
+    """One set of model-type names: those of a checkpoint's config.json ("glm5_next", not its text model's
+    "glm5_next_text"), in `python -m hf_flashinfer_mla` and in the refusal of an unsupported model."""
+    from hf_flashinfer_mla import UnsupportedModelError
+    from hf_flashinfer_mla.models import CHECKPOINT_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, check_model_supported
+
+    for name in ("glm5_next", "hy_v4_vl", "mistral_large4", "dots3_note", "deepseek_v3", "kimi_k25"):
+        assert name in CHECKPOINT_MODEL_TYPES
+    assert not [name for name in CHECKPOINT_MODEL_TYPES if name.endswith("_text")]
+    assert {name for name in SPARSE_MLA_MODEL_TYPES if name.endswith("_text")}  # what the attention's configs say
+    cli.main(["--device", "cpu"])
+    listed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model types"))
+    assert listed.split(": ", 1)[1].split(", ") == list(CHECKPOINT_MODEL_TYPES)
+    llama = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=4)
+    with pytest.raises(UnsupportedModelError) as refused:
+        check_model_supported(llama)
+    assert f"Supported model types: {', '.join(CHECKPOINT_MODEL_TYPES)}." in str(refused.value)
+    assert "_text" not in str(refused.value)
+    for model_type in CONFIG_TYPES_WITH_MLA_TEXT:  # every one of them exists in this Transformers
+        assert model_type in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES
+
+
+CONFIG_TYPES_WITH_MLA_TEXT = ("glm5_next", "hy_v4_vl", "mistral_large4", "dots3_note", "kimi_k25")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model", "/nonexistent/path"], "--model /nonexistent/path: no such directory; give a local checkpoint"),
+    (["--model", "./nope"], "--model ./nope: no such directory"),
+    (["--prompt", "The capital of France is"], "--prompt needs --model"),
+], ids=["absolute", "relative", "prompt-without-model"])
+def test_the_examples_model_and_prompt_errors_are_one_line_and_exit_2(args, says, capsys):
+    """A path that does not exist ended in a 33-line traceback about repo ids that never said so; --prompt without
+    --model was ignored without a word."""
+    status, out, err = _exit(_example().main, [*args, "--device", "cpu"], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"python examples/generate.py: error: {says}"), err
+
+
+def test_the_examples_model_must_be_a_checkpoint_directory(tmp_path, capsys):
+    (tmp_path / "weights.bin").write_text("")
+    for path, says in ((tmp_path, "the directory has no config.json"), (tmp_path / "weights.bin", "not a directory")):
+        status, out, err = _exit(_example().main, ["--model", str(path), "--device", "cpu"], capsys)
+        assert status == 2 and err.count("\n") == 1 and f"--model {path}: {says}" in err, err
+
+
+def test_a_model_path_that_does_not_exist_as_the_user_sees_it():
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--model", "/nonexistent/path", "--device", "cpu"], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "error: --model /nonexistent/path: no such directory" in lines[0], proc.stderr
     assert proc.stdout == ""
 
 

@@ -1,15 +1,19 @@
 """``python -m hf_flashinfer_mla.serve``: Transformers' OpenAI-style server with continuous batching over the paged
-latent cache, on the CPU.
+latent cache, on the CPU, and what it does with bad requests: refused ones, capped answers, failures it survives.
 
-One server process (127.0.0.1, a free port) serves a small random DeepSeek-V3-style model saved to a temporary
-folder, with a WordLevel tokenizer built offline. Every wait is bounded (server start, each request), so a hung
-server fails the test instead of hanging the suite.
+Two server processes (127.0.0.1, free ports) serve a small random DeepSeek-V3-style model saved to a temporary
+folder, with a WordLevel tokenizer built offline: one with continuous batching, one with generate() and a shorter
+--max-model-len. Both import a test-only fault hook (a sitecustomize on their path) that makes the model's forward
+raise for a marker prompt. Every wait is bounded (server start, each request), so a hung server fails the test
+instead of hanging the suite, and each server is stopped by its PID.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -59,17 +63,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mla_model")
-    save_model(path)
+# A test-only fault: every process of a server started with `FAULT_HOOK` on its path imports this sitecustomize, which
+# makes the model's forward raise for any input holding the marker's tokens (four in a row: a generated token never
+# brings more than one per request and step). The failing request's error names it, which proves it was injected.
+MARKER = "w91 w92 w93 w91"
+FAULT = "injected fault: the prompt holds the marker"
+FAULT_HOOK = f"""
+import os
+
+MARKER = [91, 92, 93, 91]  # {MARKER!r} in the tokenizer of save_model
+
+
+def _install():
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as modeling
+
+    forward = modeling.DeepseekV3ForCausalLM.forward
+
+    def failing_forward(self, *args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        tokens = [] if ids is None else ids.flatten().tolist()
+        if any(tokens[i : i + len(MARKER)] == MARKER for i in range(len(tokens))):
+            raise RuntimeError({FAULT!r})
+        return forward(self, *args, **kwargs)
+
+    modeling.DeepseekV3ForCausalLM.forward = failing_forward
+
+
+_install()
+"""
+
+
+@contextlib.contextmanager
+def serving(path: Path, *options: str, log_name: str = "server.log", fault_hook: Path | None = None):
+    """``(url, process)`` of ``python -m hf_flashinfer_mla.serve path`` on 127.0.0.1 (CPU, float32), once it answers
+    /health; stopped by its PID when the block ends."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    log = open(path / "server.log", "w")
+    paths = [str(ROOT), *([str(fault_hook)] if fault_hook else []), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    log = open(path / log_name, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "hf_flashinfer_mla.serve", str(path), "--continuous-batching", "--host", "127.0.0.1",
-         "--port", str(port), "--device", "cpu", "--dtype", "float32", "--cb-block-size", "16", "--cb-num-blocks",
-         "64", "--cb-max-batch-tokens", "64"],
+        [sys.executable, "-m", "hf_flashinfer_mla.serve", str(path), "--host", "127.0.0.1", "--port", str(port),
+         "--device", "cpu", "--dtype", "float32", *options],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
@@ -77,16 +111,16 @@ def server(tmp_path_factory):
     try:
         while True:
             if process.poll() is not None:
-                pytest.fail(f"the server exited with {process.returncode}:\n{(path / 'server.log').read_text()}")
+                pytest.fail(f"the server exited with {process.returncode}:\n{(path / log_name).read_text()}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"the server did not start in {START_TIMEOUT} s:\n{(path / 'server.log').read_text()}")
+                pytest.fail(f"the server did not start in {START_TIMEOUT} s:\n{(path / log_name).read_text()}")
             time.sleep(0.5)
-        yield url, path
+        yield url, process
     finally:
         process.terminate()
         try:
@@ -98,11 +132,44 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(server):
+def fault_hook(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("fault_hook")
+    (folder / "sitecustomize.py").write_text(FAULT_HOOK)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("mla_model")
+    save_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_path, fault_hook):
+    """Continuous batching, on the model's own context (max_position_embeddings 256)."""
+    with serving(model_path, "--continuous-batching", "--cb-block-size", "16", "--cb-num-blocks", "64",
+                 "--cb-max-batch-tokens", "64", fault_hook=fault_hook) as (url, process):
+        yield url, model_path, process
+
+
+GENERATE_CONTEXT = 64  # --max-model-len of the server without continuous batching
+
+
+@pytest.fixture(scope="module")
+def generate_server(model_path, fault_hook):
+    """Transformers' other path, one generate() at a time, with a context shorter than the model's."""
+    with serving(model_path, "--max-model-len", str(GENERATE_CONTEXT), log_name="generate_server.log",
+                 fault_hook=fault_hook) as (url, process):
+        yield url, model_path, process
+
+
+@pytest.fixture(scope="module")
+def expected(model_path):
     """Each test prompt's words from eager generate() on the same checkpoint and chat template."""
     from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
-    _, path = server
+    path = model_path
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = DeepseekV3ForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
 
@@ -134,7 +201,7 @@ def chat(url, content, stream, max_tokens=NEW_TOKENS) -> list[str]:
 
 
 def test_concurrent_chat_completions_match_generate(server, expected):
-    url, path = server
+    url, path, _ = server
     contents = ["w3 w4 w5", "w10 w11 w12 w13 w14 w15 w16 w17 w18", "w7", "w20 w21 w22 w23 w24 w25"]
     target = (url, str(path))
     with ThreadPoolExecutor(len(contents)) as pool:
@@ -144,7 +211,7 @@ def test_concurrent_chat_completions_match_generate(server, expected):
 
 
 def test_malformed_request_gets_4xx_and_server_keeps_serving(server, expected):
-    url, path = server
+    url, path, _ = server
     bad = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=REQUEST_TIMEOUT,
                      headers={"content-type": "application/json"})
     assert 400 <= bad.status_code < 500
@@ -159,7 +226,7 @@ def test_malformed_request_gets_4xx_and_server_keeps_serving(server, expected):
 
 
 def test_client_disconnecting_mid_stream_leaves_server_healthy(server, expected):
-    url, path = server
+    url, path, _ = server
     body = {"model": str(path), "messages": [{"role": "user", "content": "w40 w41"}], "max_tokens": 200,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT) as response:
@@ -200,3 +267,219 @@ def test_unservable_model_fails_at_server_start(tmp_path):
     finally:
         served.kill()
         served.wait()
+
+
+# --- requests the server refuses, answers it caps, errors it survives ------------------------------------------------
+
+def answer(url: str, body: dict, stream: bool) -> dict:
+    """A chat completion's outcome: ``status``, and ``words``, ``finish_reason``, ``prompt`` and ``tokens`` (its
+    usage) for an answer, ``error`` for an error (the body's, or a stream's error event)."""
+    if not stream:
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
+        data = response.json()
+        if response.status_code != 200:
+            return {"status": response.status_code, "error": data.get("error")}
+        choice = data["choices"][0]
+        return {"status": 200, "words": choice["message"]["content"].split(), "finish_reason": choice["finish_reason"],
+                "prompt": data["usage"]["prompt_tokens"], "tokens": data["usage"]["completion_tokens"], "error": None}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    text, outcome = [], {"status": 200, "finish_reason": None, "prompt": None, "tokens": None, "error": None}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT) as response:
+        if response.status_code != 200:
+            response.read()
+            return {"status": response.status_code, "error": response.json().get("error")}
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                outcome["error"] = event["error"]
+            usage = event.get("usage")
+            if usage:
+                outcome["prompt"], outcome["tokens"] = usage["prompt_tokens"], usage["completion_tokens"]
+            for choice in event.get("choices") or []:
+                text.append(choice["delta"].get("content") or "")
+                outcome["finish_reason"] = choice.get("finish_reason") or outcome["finish_reason"]
+    return {**outcome, "words": "".join(text).split()}
+
+
+def healthy(url: str, process) -> bool:
+    return process.poll() is None and httpx.get(f"{url}/health", timeout=REQUEST_TIMEOUT).status_code == 200
+
+
+BAD_SETTINGS = [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),  # (Transformers answered it with an empty answer)
+    ({"max_tokens": "12"}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 5}, "top_p"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"frequency_penalty": -1.5}, "frequency_penalty"),
+    ({"generation_config": json.dumps({"top_k": -1})}, "generation_config.top_k"),
+    ({"generation_config": json.dumps({"max_new_tokens": 0})}, "generation_config.max_new_tokens"),
+    ({"generation_config": json.dumps({"temperature": -0.5})}, "generation_config.temperature"),
+    ({"generation_config": "{not json"}, "generation_config"),
+    ({"max_tokens": -1, "stream": True}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("settings, field", BAD_SETTINGS, ids=[json.dumps(s) for s, _ in BAD_SETTINGS])
+def test_bad_sampling_settings_get_400_naming_the_field(server, settings, field):
+    """Transformers answered these 200 (an empty answer for max_tokens -1, sampling anyway for a negative temperature
+    or a top_p of 5), or 500 (a generation_config that is not JSON)."""
+    url, path, _ = server
+    body = {"model": str(path), "messages": [{"role": "user", "content": "w3"}], **settings}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]  # OpenAI's error shape
+    assert error["type"] == "invalid_request_error" and error["param"] == field, error
+    assert f"`{field}`" in error["message"], error
+
+
+def test_the_other_endpoints_refuse_bad_settings_too_and_the_server_keeps_serving(server, expected):
+    url, path, process = server
+    for endpoint, body, field in [
+        ("completions", {"prompt": "w3 w4", "max_tokens": -1}, "max_tokens"),
+        ("completions", {"prompt": "w3 w4", "top_p": 5}, "top_p"),
+        ("responses", {"input": "w3 w4", "max_output_tokens": 0}, "max_output_tokens"),
+        ("responses", {"input": "w3 w4", "temperature": -2}, "temperature"),
+    ]:
+        response = httpx.post(f"{url}/v1/{endpoint}", json={"model": str(path), **body}, timeout=REQUEST_TIMEOUT)
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (endpoint, response.text)
+    # (Transformers read the body's "input" unchecked: a KeyError, a 500)
+    response = httpx.post(f"{url}/v1/responses", json={"model": str(path)}, timeout=REQUEST_TIMEOUT)
+    assert response.status_code == 422 and response.json()["error"]["param"] == "input", response.text
+    assert healthy(url, process)
+    assert chat((url, str(path)), "w3 w4 w5", stream=True) == expected("w3 w4 w5")
+
+
+@pytest.mark.parametrize("which, context", [("server", 256), ("generate_server", GENERATE_CONTEXT)],
+                         ids=["continuous-batching", "generate"])
+def test_answers_stop_at_the_context_and_the_server_keeps_serving(which, context, request, expected):
+    """max_tokens 10**9 made continuous batching's worker fail (its cache cannot hold that much) and the server exit;
+    without max_tokens Transformers' default of 1,024 new tokens ran past a 256-token model's context. Both are capped
+    at the context (the model's max_position_embeddings, or --max-model-len), minus the prompt, and say "length"."""
+    url, path, process = request.getfixturevalue(which)
+    base = {"model": str(path), "messages": [{"role": "user", "content": "w3 w4 w5"}], "temperature": 0}
+    for settings, stream in (({"max_tokens": 10**9}, False), ({}, True)):
+        got = answer(url, {**base, **settings}, stream)
+        assert got["status"] == 200 and got["error"] is None, (settings, stream, got)
+        assert got["finish_reason"] == "length", (settings, stream, got)
+        assert got["prompt"] + got["tokens"] == context, (settings, stream, got)
+    assert healthy(url, process)
+    assert chat((url, str(path)), "w3 w4 w5", stream=False) == expected("w3 w4 w5")
+    assert chat((url, str(path)), "w9 w8", stream=True) == expected("w9 w8")
+
+
+def test_a_prompt_longer_than_the_context_gets_400(generate_server, expected):
+    url, path, process = generate_server
+    words = " ".join(f"w{i % 90 + 1}" for i in range(GENERATE_CONTEXT + 5))
+    for stream in (False, True):
+        got = answer(url, {"model": str(path), "messages": [{"role": "user", "content": words}], "max_tokens": 4},
+                     stream)
+        assert got["status"] == 400 and "prompt" in got["error"]["message"], got
+    assert healthy(url, process)
+    assert chat((url, str(path)), "w3 w4 w5", stream=False) == expected("w3 w4 w5")
+
+
+def test_a_request_failing_in_generate_fails_alone(generate_server, expected):
+    """generate() runs one request at a time: the request whose forward raises (the fault hook) gets its error, a 500
+    or an error event on its stream, naming the fault; the requests around it get eager's tokens."""
+    url, path, process = generate_server
+    failing = {"model": str(path), "messages": [{"role": "user", "content": MARKER}], "max_tokens": 4}
+    contents = ["w3 w4 w5", "w7", "w20 w21 w22 w23", "w9 w8"]
+    with ThreadPoolExecutor(len(contents) + 2) as pool:
+        faults = [pool.submit(answer, url, failing, stream) for stream in (False, True)]
+        others = [pool.submit(chat, (url, str(path)), c, stream=i % 2 == 0) for i, c in enumerate(contents)]
+        plain, streamed = (f.result(timeout=REQUEST_TIMEOUT) for f in faults)
+        got = [f.result(timeout=REQUEST_TIMEOUT) for f in others]
+    assert plain["status"] == 500 and FAULT in plain["error"]["message"], plain
+    assert streamed["status"] == 200 and FAULT in json.dumps(streamed["error"]), streamed
+    assert got == [expected(c) for c in contents]
+    assert healthy(url, process)
+
+
+def test_continuous_batching_replaces_a_worker_that_failed(server, expected):
+    """An error in a step of continuous batching killed its worker, and Transformers then stopped the server. The
+    requests of that step fail (the fault hook's request, and any other sharing the step: one forward runs them
+    all), the runner starts a new worker, and the server goes on: later requests, concurrent, get eager's tokens."""
+    url, path, process = server
+    failing = {"model": str(path), "messages": [{"role": "user", "content": MARKER}], "max_tokens": 4}
+    for stream in (False, True):
+        got = answer(url, failing, stream)
+        assert FAULT in json.dumps(got["error"]), got
+        assert got["status"] == (200 if stream else 500), got
+        assert healthy(url, process)
+    contents = ["w3 w4 w5", "w10 w11 w12 w13 w14 w15 w16 w17 w18", "w7", "w20 w21 w22 w23 w24 w25"]
+    with ThreadPoolExecutor(len(contents)) as pool:
+        futures = [pool.submit(chat, (url, str(path)), c, stream=i % 2 == 0) for i, c in enumerate(contents)]
+        got = [f.result(timeout=REQUEST_TIMEOUT) for f in futures]
+    assert got == [expected(c) for c in contents]
+    assert healthy(url, process)
+
+
+# --- the command line ------------------------------------------------------------------------------------------------
+
+PROG = "python -m hf_flashinfer_mla.serve"
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    """The serve command as typed, bounded in time (a server that starts by mistake listens on a free local port)."""
+    env = {**os.environ, "COLUMNS": "200",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "hf_flashinfer_mla.serve", *args, "--host", "127.0.0.1", "--port",
+                           str(free_port())], env=env, capture_output=True, text=True, timeout=START_TIMEOUT)
+
+
+def test_serve_help_is_the_command_as_typed_with_this_packages_defaults():
+    """Its usage line was ``... serve serve [OPTIONS] [FORCE_MODEL]`` (Transformers' subcommand), which fails when
+    typed, and --attn-implementation showed no default."""
+    proc = run_serve("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == f"Usage: {PROG} [OPTIONS] [FORCE_MODEL]", proc.stdout
+    flat = " ".join(proc.stdout.split())
+    attn = re.search(r"--attn-implementation \S+ (.*?) --compile", flat)
+    assert attn and "[default: flashinfer_mla]" in attn[1], flat
+    assert "--max-model-len" in flat and "serve serve" not in flat
+
+
+def _usage_errors():
+    errors = [
+        (["--device", "cuda:99"], "--device cuda:99: "),
+        (["--max-model-len", "0"], "--max-model-len 0: "),
+        (["--dtype", "float33"], "--dtype float33: not a torch dtype"),
+        (["--attn-implementation", "bogus"], "--attn-implementation bogus: use flashinfer_mla, eager, sdpa"),
+        (["--bogus"], "No such option: --bogus"),
+        (["a", "b"], "unexpected extra argument"),
+    ]
+    if not torch.cuda.is_available():
+        errors.append((["--device", "cuda"], "--device cuda: "))
+    return errors
+
+
+@pytest.mark.parametrize("args, says", _usage_errors(), ids=[" ".join(a) for a, _ in _usage_errors()])
+def test_serve_usage_errors_are_one_line_and_exit_2(args, says, capsys):
+    """Each ended in a traceback of 74-77 lines once the server started loading (or, for click's own errors, in a
+    usage line that fails when typed); now it is one line before anything loads."""
+    from hf_flashinfer_mla import serve
+
+    with pytest.raises(SystemExit) as exc:
+        serve.main([*args, "--host", "127.0.0.1", "--port", str(free_port())])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2, err
+    assert err.count("\n") == 1 and err.startswith(f"{PROG}: error: ") and says in err, err
+    assert out == ""
+
+
+def test_a_model_path_that_does_not_exist_as_the_user_sees_it():
+    """The whole stderr of the real process, typed as the usage line says: one line, exit status 2."""
+    proc = run_serve("/nonexistent/path", "--continuous-batching")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: FORCE_MODEL /nonexistent/path: no such "), lines
+    assert proc.stdout == ""
