@@ -43,7 +43,7 @@ from . import capabilities
 from .absorption import absorb_query, absorbed_weights, project_output
 from .errors import UnsupportedModelError
 from .kernels import Layer, Refused, fa, ragged, reference, trtllm
-from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, original_expand_kv
+from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, checkpoint_model_type, original_expand_kv
 from .plan import Route, first_accepting
 from .rows import Rows, to_device
 
@@ -168,18 +168,19 @@ def refuse_unservable(model) -> None:
     when the manager is created, in the caller's thread: never empty outputs from the background loop)."""
     config = model.config.get_text_config(decoder=True)
     model_type, impl = getattr(config, "model_type", None), config._attn_implementation
+    name = checkpoint_model_type(model_type)  # (as the user's config.json names it)
     if model_type in SPARSE_MLA_MODEL_TYPES:
         raise UnsupportedModelError(
             f"continuous batching (generate_batch, init_continuous_batching, transformers serve) cannot serve "
-            f'model_type "{model_type}": its DeepSeek Sparse Attention reads an indexer-selected subset of the cache, '
-            "which Transformers' paged cache does not keep. Use generate()."
+            f'model_type "{name}": its DeepSeek Sparse Attention reads an indexer-selected subset of the cache, which '
+            "Transformers' paged cache does not keep. Use generate()."
         )
     if model_type not in DENSE_MLA_MODEL_TYPES:
         return  # not an MLA model: Transformers' own business
     if impl != ATTN_NAME and TRANSFORMERS_MLA_ALLOCATOR is None:
         raise UnsupportedModelError(
-            f'continuous batching cannot serve model_type "{model_type}" with attn_implementation={impl!r}: its '
-            "layers cache the MLA latent, which Transformers' paged cache (sized for per-head keys and values) cannot "
+            f'continuous batching cannot serve model_type "{name}" with attn_implementation={impl!r}: its layers '
+            "cache the MLA latent, which Transformers' paged cache (sized for per-head keys and values) cannot "
             f'hold. Load it with attn_implementation="{ATTN_NAME}" (import hf_flashinfer_mla), or use generate().'
         )
     if impl != ATTN_NAME:
@@ -187,7 +188,7 @@ def refuse_unservable(model) -> None:
     unknown = sorted(set(getattr(config, "layer_types", None) or ()) - {FULL_ATTENTION})
     if unknown:
         raise UnsupportedModelError(
-            f'continuous batching cannot serve model_type "{model_type}": its layers of type {", ".join(unknown)} '
+            f'continuous batching cannot serve model_type "{name}": its layers of type {", ".join(unknown)} '
             "have no paged cache for the MLA latent (Transformers' continuous batching keeps full- and sliding-window "
             "attention caches only, and this package gives latent rows to the full-attention ones). Use generate(), "
             "which runs every layer type."
