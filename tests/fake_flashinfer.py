@@ -183,7 +183,7 @@ def fake_hopper(monkeypatch):
     surface = make_surface()
     monkeypatch.setattr(capabilities, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(capabilities, "KERNEL_DTYPES", (torch.float64,))
-    monkeypatch.setattr(capabilities, "KERNEL_DIMS", (32, 8))  # conftest's deepseek_v3 latent
+    monkeypatch.setattr(capabilities, "KERNEL_DIMS", (32, 8))  # the helpers' deepseek_v3 latent
     monkeypatch.setattr(fa, "generated_surface", lambda: surface)
     monkeypatch.setattr(fa, "INT_WORKSPACE_BYTES", 1 << 16)
     monkeypatch.setattr(buffers, "WORKSPACE_BYTES", 1 << 16)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune
-from conftest import assert_batch_matches_eager_alone, decode_logits, left_padded_batch, make_model, rel_err
+from helpers import assert_batch_matches_eager_alone, decode_logits, left_padded_batch, make_model, rel_err
 from torch import nn
 from transformers import DynamicCache
 from transformers.integrations import finegrained_fp8

@@ -9,7 +9,7 @@ import torch
 from transformers import ContinuousBatchingConfig
 
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
-from conftest import make_model
+from helpers import make_model
 from hf_flashinfer_mla import paged
 from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights
 from test_continuous_batching import eager_tokens, greedy, prompts, small_cb

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import GENERATION_MODES, HYBRIDS, assert_same_outputs, generation_mode, left_padded_batch, make_model, rel_err
+from helpers import GENERATION_MODES, HYBRIDS, assert_same_outputs, generation_mode, left_padded_batch, make_model, rel_err
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 from transformers.generation.streamers import BaseStreamer

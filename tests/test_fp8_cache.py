@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import decode_logits, left_padded_batch, make_model, rel_err
+from helpers import decode_logits, left_padded_batch, make_model, rel_err
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 

@@ -1,5 +1,5 @@
 """flashinfer_mla against Transformers' eager attention, on small random models of every dense MLA family in float64
-(CPU; the registry is ``conftest.FAMILIES``).
+(CPU; the registry is ``helpers.FAMILIES``).
 
 The oracle is each prompt generated *alone* (unpadded) with ``eager``: a left-padded eager batch in float64 is
 itself not exact (see shared NOTES), so batched flashinfer_mla must reproduce the unpadded runs. Several families
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     VOCAB, assert_batch_matches_eager_alone, chained_generate, decode_logits, eager_alone, early_eos, eos_generate,
     kv_b_proj_rows, left_padded_batch, make_model, mla_layers, rel_err, set_attention,
 )
@@ -169,7 +169,7 @@ def test_rows_finishing_early_at_eos_match_eager(cache_implementation):
 
 def test_generate_continued_over_its_cache_with_new_tokens_and_holes_matches_eager():
     """Four chained generate() calls on one left-padded batch, each continuing the previous call's cache
-    (`conftest.chained_generate`): with three new tokens per row; with new tokens of different lengths per row,
+    (`helpers.chained_generate`): with three new tokens per row; with new tokens of different lengths per row,
     padded where they join the history (holes in the 2D mask, which the step's rows then carry); with one new token.
     Batched eager in float32 is the oracle."""
     model = make_model("deepseek_v3", dtype=torch.float32)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     VOCAB, SecondModelStepper, additive_mask, assert_batch_matches_eager_alone, assisted_generate, decode_logits,
     generate_alone_with_eager, left_padded_batch, make_model, rel_err, with_4d_masks,
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import FAMILIES, HYBRIDS, decode_logits, kv_b_proj_rows, make_model, mla_layers, rel_err
+from helpers import FAMILIES, HYBRIDS, decode_logits, kv_b_proj_rows, make_model, mla_layers, rel_err
 from transformers import AttentionInterface
 
 import hf_flashinfer_mla
@@ -54,7 +54,7 @@ def test_every_model_type_transformers_builds_with_mla_attention_is_supported():
 def test_a_config_of_its_own_over_another_familys_class_generates_as_eager(model_type):
     """``sarvam_mla`` has its own configuration class and Transformers builds ``DeepseekV3ForCausalLM`` from it:
     it loads with flashinfer_mla (it was refused: not a known model type) and generates eager's tokens."""
-    from conftest import left_padded_batch
+    from helpers import left_padded_batch
 
     config = transformers.CONFIG_MAPPING[model_type](**FAMILIES[SAME_CLASS_AS[model_type]][1])
     ids, mask, _ = left_padded_batch()

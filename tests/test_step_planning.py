@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
-from conftest import (
+from helpers import (
     VOCAB,
     assert_batch_matches_eager_alone,
     decode_logits,
@@ -73,7 +73,7 @@ def _spy(monkeypatch, owner, name):
 
 
 def _layer(device=CPU, heads=4, pitch=64, scale=0.1) -> Layer:
-    """The spec of one fa3 call over conftest's deepseek_v3 latent (32 + 8), in float64."""
+    """The spec of one fa3 call over the helpers' deepseek_v3 latent (32 + 8), in float64."""
     return Layer(device, F64, F64, heads, 32, 8, pitch, False, scale)
 
 

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
-from conftest import (
+from helpers import (
     VOCAB, assert_batch_matches_eager_alone, assert_same_outputs, decode_logits, generation_mode, left_padded_batch,
     make_model, mla_layers, package_warnings, rel_err,
 )
@@ -169,7 +169,7 @@ def blackwell(monkeypatch, dtype=torch.float64, dims=(32, 8), sm_count=SM_COUNT)
 
 @pytest.fixture
 def fake_blackwell(monkeypatch):
-    """`blackwell` for conftest's float64 models (latent 32 + rope 8)."""
+    """`blackwell` for the helpers' float64 models (latent 32 + rope 8)."""
     yield blackwell(monkeypatch)
     fresh_caches()  # (CUDA-graph slots of the stand-in's kernel would be reloaded by a later test's steps)
 
@@ -782,7 +782,7 @@ def test_prefill_chunks_inside_left_padding_run_on_the_reference(request, caplog
 
 @pytest.mark.parametrize("mode", ["assisted-other", "assisted-self", "beams", "sampling", "guidance", "second-model"])
 def test_generation_modes_on_trtllm_gen_match_the_reference(fake_blackwell, monkeypatch, mode):
-    """``conftest.generation_mode`` on the trtllm-gen stand-in against the same calls on the reference backend, with
+    """``helpers.generation_mode`` on the trtllm-gen stand-in against the same calls on the reference backend, with
     prompts of 70 and 6 tokens: left padding 0 and 64, on trtllm-gen's pages, so the padded batches' decode steps run
     the kernel too. The stand-in attends through the block tables and lengths it is given, where the reference reads
     the step's mask: cropped caches and 5-token verify steps (assisted), reordered caches (beams), repeated batches

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
-from conftest import assert_batch_matches_eager_alone, left_padded_batch, make_model, package_warnings, rel_err
+from helpers import assert_batch_matches_eager_alone, left_padded_batch, make_model, package_warnings, rel_err
 from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes
 from test_trtllm import SM_COUNT, fake_blackwell  # noqa: F401  (fixture)
 from torch._dynamo.utils import counters
@@ -31,7 +31,7 @@ from hf_flashinfer_mla.kernels import graphs, trtllm
 
 CPU = torch.device("cpu")
 PAGE = trtllm.PAGE_SIZE
-LAYERS = 2  # conftest's models
+LAYERS = 2  # the helpers' models
 # Every call's static cache holds 128 tokens (generate(max_cache_len=...)), so that a batch of one is served by a
 # trtllm-gen slot: see test_batch_of_one_runs_trtllm_gen_in_graphs_at_the_default_cache_length.
 MAX_CACHE = 128

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SecondModelStepper
+from helpers import SecondModelStepper
 from test_gpu_backends import LOGIT_TOL, TOP1_MIN, _available, _compare, _model
 from test_gpu_graphs import _batch, _Replay
 from transformers import LogitsProcessorList
