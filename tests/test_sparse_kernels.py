@@ -12,8 +12,7 @@ pytest.importorskip("flashinfer", reason="these tests check the package against 
 import torch
 import hf_flashinfer_mla
 from helpers import DSA_FAMILIES, VOCAB, decode_logits, eager_alone, left_padded_batch, make_model, rel_err
-from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
-from test_trtllm import fake_blackwell  # noqa: F401  (fixture)
+from fake_flashinfer import fake_blackwell, fake_hopper  # noqa: F401  (fixtures)
 from transformers import CompileConfig
 
 from hf_flashinfer_mla.kernels import fa

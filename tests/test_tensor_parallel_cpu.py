@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed with gloo",
 )
 
-TOL = 1e-6  # float64, as in test_models.py
+TOL = 1e-6  # float64, as in test_dense_models.py
 # Checkpoint names run on two ranks; "@attn-plan" adds head-sharded attention to the plan (prototype).
 TP_RUNS = (*FAMILIES, "deepseek_v3@attn-plan", "mistral4@attn-plan")
 

@@ -329,7 +329,7 @@ def test_generation_modes_on_the_kernel_match_the_reference(fake_hopper, monkeyp
     comparison with eager on the CPU. Each mode reaches its own source of rows: assisted steps come without a 2D
     mask (rows from the cache's length), eos steps from generate()'s grown masks (`GrowingMask`, planned ahead), the
     chained calls' holes from the mask itself (`Rows.from_mask`); a fault of one row in each source fails its modes.
-    (Against eager: ``test_models.py``, ``test_nested_forwards.py``.)"""
+    (Against eager: ``test_dense_models.py``, ``test_nested_forwards.py``.)"""
     ours = generation_mode(mode)
     fa3 = fake_hopper.modules["fa3"]
     runs = fa3.runs
