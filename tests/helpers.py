@@ -5,6 +5,7 @@ the path, as it does for conftest.py); conftest.py keeps only fixtures and re-ex
 from __future__ import annotations
 
 import contextlib
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,9 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import hf_flashinfer_mla  # noqa: F401  (registers "flashinfer_mla")
+from hf_flashinfer_mla.kernels import Layer
+from hf_flashinfer_mla.plan import StepPlan
+from hf_flashinfer_mla.rows import GrowingMask, Rows
 
 VOCAB = 97
 
@@ -509,3 +513,39 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def package_warnings(caplog) -> list[str]:
     """Messages of the warnings this package logged."""
     return [r.getMessage() for r in caplog.records if r.name == "hf_flashinfer_mla" and r.levelno >= 30]
+
+
+# Step planning (rows, masks, plans, fa3 metadata, graph slots).
+def spy(monkeypatch, owner, name):
+    """Record the calls of ``owner.name`` (a function, or a classmethod of a class) and pass them on."""
+    calls = []
+    is_classmethod = isinstance(inspect.getattr_static(owner, name), classmethod)
+    original = getattr(owner, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, staticmethod(recorded) if is_classmethod else recorded)
+    return calls
+
+
+def fa_layer(device=torch.device("cpu"), heads=4, pitch=64, scale=0.1) -> Layer:
+    """The spec of one fa3 call over the latent of `FAMILIES`' deepseek_v3 (32 + 8), in float64."""
+    return Layer(device, torch.float64, torch.float64, heads, 32, 8, pitch, False, scale)
+
+
+def rows_on_host(first, width, q_len=1) -> Rows:
+    """Rows known on the host, as generate()'s `GrowingMask` gives them: row b sees ``[first[b], width)``."""
+    first = torch.as_tensor(first, dtype=torch.long)
+    return GrowingMask(first, first, width).rows(q_len, width)
+
+
+def route_of(step: StepPlan, layer: Layer, requested="fa3"):
+    """The step's route for `layer`, as the attention function asks for it (built, not run)."""
+    return step.route((layer, requested), layer, requested, False)
+
+
+def bool_mask(rows):
+    """A boolean 2D mask from nested lists of 0/1."""
+    return torch.tensor(rows, dtype=torch.bool)
