@@ -2,7 +2,7 @@
 (CPU; the registry is ``helpers.FAMILIES``).
 
 The oracle is each prompt generated *alone* (unpadded) with ``eager``: a left-padded eager batch in float64 is
-itself not exact (see shared NOTES), so batched flashinfer_mla must reproduce the unpadded runs. Several families
+itself not exact (eager turns its fully masked left-padding rows into NaN), so batched flashinfer_mla must reproduce the unpadded runs. Several families
 cast to float32 internally (RMSNorm everywhere, KDA state updates in the hybrids), so the observed error is
 float32-ulp sized (~1e-7), still well under the 1e-6 bound.
 """
@@ -414,8 +414,8 @@ def test_a_cache_continued_after_the_model_moves_to_float64_matches_eager():
 def test_multi_token_prediction_drafts_and_verifies_as_eager(monkeypatch):
     """``generate(use_mtp=True)``: Transformers builds an ``MtpModel`` over the main model's config, attention
     implementation included, and drafts with it. Its class has no attention of its own (its layers are the main
-    model's decoder layers, already hooked): it runs flashinfer_mla, where it was refused at construction, and
-    gives eager's tokens and logits. (``MtpModel.from_pretrained`` reads a checkpoint's MTP weights; here the MTP
+    model's decoder layers, already hooked): it runs flashinfer_mla (its construction is not refused) and gives
+    eager's tokens and logits. (``MtpModel.from_pretrained`` reads a checkpoint's MTP weights; here the MTP
     layers are built from the main model, with random weights, through the same constructor.)"""
     from transformers.modeling_layers import MtpModel
 

@@ -43,7 +43,7 @@ META = torch.device("meta")
 # ---------------------------------------------------------------------------------------------------- head counts
 
 
-# Written out by hand (not computed from the rule): from vLLM's FlashInfer MLA backend and the shared notes.
+# Written out by hand (not computed from the rule), from vLLM's FlashInfer MLA backend.
 TILEABLE = [1, 2, 4, 7, 8, 9, 12, 15, 16, 32, 33, 40, 48, 63, 64, 128, 192, 256]
 NOT_TILEABLE = [0, 17, 20, 24, 31, 65, 80, 96, 100, 127, 129, 160, 255]
 
@@ -271,8 +271,8 @@ def test_trtllm_decode_call_contract(monkeypatch, caplog, requested, heads, back
 
 
 def test_fake_rejects_what_flashinfer_rejects(monkeypatch, clean_counters, sm_count):
-    """Control: the stand-in raises for the calls the old code made (a counter with cute-dsl), for a counter sized
-    for too few query tokens, as FlashInfer does, and for what the contract excludes: an unpacked cache, a scale
+    """Control: the stand-in raises, as FlashInfer does, for a counter given with cute-dsl and for a counter sized
+    for too few query tokens, and for what the contract excludes: an unpacked cache, a scale
     given as a tensor, a length its table does not cover, int64 tables, and trtllm-gen without the package's
     counter."""
     fake = FakeTrtllm()

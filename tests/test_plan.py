@@ -100,7 +100,7 @@ def test_a_steps_plan_mask_and_metadata_are_freed_with_its_mask(request, monkeyp
     """A step's mask, its plan, rows and kernel metadata form no reference cycle: they are freed when generate()
     drops the mask, not whenever Python's garbage collector runs. (On a GPU, device memory freed at random moments
     moved the next generate()'s static cache to other addresses, and torch's CUDA-graph trees recorded every
-    warmed-up call's graphs again: DeepSeek-V2-Lite, H200, 2026-12-01.) The control puts the old cycle back (the
+    warmed-up call's graphs again.) The control puts the old cycle back (the
     plan holding its mask) and must find it."""
     if kernel == "fa3":
         request.getfixturevalue("fake_hopper")
