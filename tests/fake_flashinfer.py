@@ -22,7 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import flashinfer.mla
 import flashinfer.utils

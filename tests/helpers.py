@@ -123,7 +123,8 @@ HYBRIDS = ("kimi_linear", "bailing_hybrid")  # MLA layers interleaved with KDA l
 # * deepseek_v32: every layer selects; YaRN with mscale_all_dim (changes the softmax scale); first MLP dense.
 # * glm_moe_dsa: layer 2 reuses layer 1's top-k (indexer_types; = index_topk_freq=2, index_skip_topk_offset=2).
 # * glm5_next (multimodal only, no causal LM): NoPE MLA (qk_rope_head_dim must be 0) in a KDA hybrid; layer 2 reuses
-#   layer 1's top-k (the sharing layer must directly follow the full one); k-pool indexer (index_topk % index_kpool == 0).
+#   layer 1's top-k (the sharing layer must directly follow the full one); k-pool indexer
+#   (index_topk % index_kpool == 0).
 # * mistral_large4 (multimodal only): no q_lora; layer 3 NoPE; layer 2 reuses layer 1's latent KV (kv_source_layers)
 #   and its top-k; learned LeRoPE alpha and per-head log-position query scaling (identity at init).
 # * hy_v4 / hy_v4_vl: sinks (s_aux), output gate, iHC streams; default indexer_types [F, F, S, S]; sdpa unsupported;
@@ -151,7 +152,8 @@ DSA_FAMILIES = {
                 **COMMON, **_MOE, **_DSA, num_hidden_layers=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=0,
                 qk_nope_head_dim=16, v_head_dim=16, index_kpool=2,
                 layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-                indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                indexer_types=["full", "full", "shared", "full"],
+                mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
                 linear_head_dim=16, linear_num_heads=4, hc_mult=2,
             ),
             vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64,
@@ -286,10 +288,10 @@ def decode_logits(model, ids, mask, cache=None, forced=None, steps=None, chunks=
     The one decode loop of the suite. Decoding feeds `forced` ``[B, T]`` (teacher forcing), ``chunks[i]`` tokens per
     forward (one by default), or, without `forced`, the argmax token `steps` times. Positions count the attended
     tokens, so a right-padded prompt continues after its last real token. `cache` defaults to the one the model's
-    forward builds when it is called without one (a fresh `DynamicCache`); `kwargs` go to every forward (e.g. ``mla_backend=``). ``as_generate=True`` grows the 2D mask
-    through ``generate()``'s own mask update (``_update_model_kwargs_for_generation``), so the steps see what
-    ``generate()``'s steps see (rows known on the host, the next step planned ahead); `forward` (default: the model)
-    runs the decode steps, e.g. a compiled model.
+    forward builds when it is called without one (a fresh `DynamicCache`); `kwargs` go to every forward (e.g.
+    ``mla_backend=``). ``as_generate=True`` grows the 2D mask through ``generate()``'s own mask update
+    (``_update_model_kwargs_for_generation``), so the steps see what ``generate()``'s steps see (rows known on the
+    host, the next step planned ahead); `forward` (default: the model) runs the decode steps, e.g. a compiled model.
     """
     forward = model if forward is None else forward
     out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
 from helpers import left_padded_batch, make_model, rel_err

@@ -2,9 +2,9 @@
 (CPU; the registry is ``helpers.FAMILIES``).
 
 The oracle is each prompt generated *alone* (unpadded) with ``eager``: a left-padded eager batch in float64 is
-itself not exact (eager turns its fully masked left-padding rows into NaN), so batched flashinfer_mla must reproduce the unpadded runs. Several families
-cast to float32 internally (RMSNorm everywhere, KDA state updates in the hybrids), so the observed error is
-float32-ulp sized (~1e-7), still well under the 1e-6 bound.
+itself not exact (eager turns its fully masked left-padding rows into NaN), so batched flashinfer_mla must reproduce
+the unpadded runs. Several families cast to float32 internally (RMSNorm everywhere, KDA state updates in the
+hybrids), so the observed error is float32-ulp sized (~1e-7), still well under the 1e-6 bound.
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def test_a_prompt_cache_copied_and_continued_matches_eager():
         assert rel_err(torch.stack(ours.logits), torch.stack(theirs.logits)) < TOL
 
 
-# ------------------------------------------ what code relies on from DynamicLayer: it never writes a tensor it handed out
+# ---------------------------------------- what code relies on from DynamicLayer: it never writes a tensor it handed out
 @torch.no_grad()
 def test_a_snapshot_taken_before_a_crop_is_restored_as_eager():
     """A snapshot of the cache's tensors at a branch point (``list(cache)``), a crop further back to try another
@@ -345,7 +345,8 @@ def test_gradients_through_two_forwards_over_one_cache_match_eager():
         first = model(input_ids=ids[:, :7], labels=ids[:, :7], use_cache=True)
         second = model(input_ids=ids[:, 7:], labels=ids[:, 7:], cache=first.cache, use_cache=True)  # (decode-sized)
         (first.loss + second.loss).backward()
-        grads[attn] = [p.grad for p in (model.model.layers[0].self_attn.kv_b_proj.weight, model.model.embed_tokens.weight)]
+        grads[attn] = [p.grad for p in (model.model.layers[0].self_attn.kv_b_proj.weight,
+                                        model.model.embed_tokens.weight)]
     for ours, theirs in zip(grads["flashinfer_mla"], grads["eager"]):
         assert rel_err(ours, theirs) < TOL
 

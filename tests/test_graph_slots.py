@@ -5,7 +5,8 @@ shapes admitted to a graph are never refused by FlashInfer's validator. On the f
 from __future__ import annotations
 
 import pytest
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
 from helpers import bool_mask, fa_layer, make_model, rel_err, rows_on_host

@@ -8,7 +8,8 @@ the public wrapper other FlashInfer releases plan through. Planning and whole mo
 from __future__ import annotations
 
 import pytest
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
 from helpers import (

@@ -12,7 +12,8 @@ import logging
 
 import flashinfer.utils
 import pytest
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
 from helpers import (

@@ -9,7 +9,8 @@ import gc
 import logging
 
 import pytest
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
 from helpers import (

@@ -146,7 +146,8 @@ def test_multimodal_image_forward_keeps_the_vision_tower_off_flashinfer_mla(monk
 
 def test_multimodal_switching_after_load_names_the_text_model():
     model = kimi_k25(attn="sdpa")
-    with pytest.raises(UnsupportedModelError, match=r"multimodal.*deepseek_v3.*set_attn_implementation\(\{'text_config'"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"multimodal.*deepseek_v3.*set_attn_implementation\(\{'text_config'"):
         model.set_attn_implementation("flashinfer_mla")
     assert implementations(model) == ("sdpa", "sdpa", "sdpa")
     model.set_attn_implementation({"text_config": "flashinfer_mla"})

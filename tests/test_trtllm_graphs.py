@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
 from helpers import assert_batch_matches_eager_alone, left_padded_batch, make_model, package_warnings, rel_err

@@ -646,7 +646,8 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch)
             runs[mode] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                                         cache_implementation="static", compile_config=CompileConfig(mode=mode),
                                         output_logits=True, return_dict_in_generate=True)
-        assert hf_flashinfer_mla.captured_shapes() and max(planned) > 0  # slots of the step's shape existed and were reloaded, sync-free
+        # Slots of the step's shape existed and were reloaded, sync-free.
+        assert hf_flashinfer_mla.captured_shapes() and max(planned) > 0
         graphed, plain = torch.stack(runs["reduce-overhead"].logits), torch.stack(runs["default"].logits)  # [T, B, V]
         err = rel(graphed, plain)
         print(f"generate with CUDA graphs vs compiled without: logits rel err {err:.2e}")
