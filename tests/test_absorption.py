@@ -1,5 +1,5 @@
-"""Absorbed weights: never stale, never detached from autograd, never pinned to an old device (issue 7), and derived
-for every kv_b_proj Transformers can load: FP8 (block and per-tensor), custom linears, bitsandbytes (issue 8).
+"""Absorbed weights: never stale, never detached from autograd, never pinned to an old device, and derived for every
+kv_b_proj Transformers can load: FP8 (block and per-tensor), custom linears, bitsandbytes.
 
 Oracle: the same model (same quantized weights) run with Transformers' ``eager``; CPU, float64/float32.
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune
-from conftest import assert_batch_matches_eager_alone, decode_logits, left_padded_batch, make_model, rel_err
+from helpers import assert_batch_matches_eager_alone, decode_logits, left_padded_batch, make_model, rel_err
 from torch import nn
 from transformers import DynamicCache
 from transformers.integrations import finegrained_fp8
@@ -43,7 +43,7 @@ def _count_reference_calls(monkeypatch):
     return calls
 
 
-# ------------------------------------------------------------------------------------------- issue 7: reliability
+# ------------------------------------------------------------------- weights that follow training, copies and moves
 def _train_steps(model, ids, steps=3):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     grads = []
@@ -157,7 +157,7 @@ def test_to_lets_the_old_weights_go_at_once(move):
         assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-6)
 
 
-# ------------------------------------------------------------------------------------------- issue 8: quantized
+# ------------------------------------------------------------------------------- quantized and custom kv_b_proj
 def _fake_fp8_linear(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None,
                      allow_deepgemm=True):
     # What Transformers' FP8 kernel (a Hub kernel, absent offline) computes, up to its activation rounding.

@@ -468,7 +468,7 @@ def test_cache_from_another_models_config_is_refused_naming_both():
     """An MLALatentCache built from another model's config would keep that model's sliding-window layers (and
     truncate the latent to the window) or have too few layers: the first update refuses it, naming the config's
     model and what does not match, instead of giving other tokens than eager."""
-    from conftest import left_padded_batch, make_model
+    from helpers import left_padded_batch, make_model
     from transformers import MistralConfig
 
     from hf_flashinfer_mla import CacheLayoutError
@@ -486,7 +486,7 @@ def test_cache_from_another_models_config_is_refused_naming_both():
 
 
 def test_fp8_cache_given_to_eager_names_the_fix():
-    from conftest import left_padded_batch, make_model
+    from helpers import left_padded_batch, make_model
 
     from hf_flashinfer_mla import CacheLayoutError
 
@@ -516,7 +516,7 @@ def test_warnings_inside_generate_point_at_the_caller():
     package (generate() itself is not wrapped)."""
     import warnings
 
-    from conftest import left_padded_batch, make_model
+    from helpers import left_padded_batch, make_model
     from transformers import DynamicCache
 
     model = make_model("deepseek_v3", dtype=torch.float32)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
-from conftest import left_padded_batch, make_model, rel_err
+from helpers import left_padded_batch, make_model, rel_err
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from transformers import StaticCache
 from transformers.masking_utils import create_masks_for_generate

@@ -17,7 +17,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from conftest import FAMILIES, HYBRIDS, VOCAB, make_config, make_model, package_warnings
+from helpers import FAMILIES, HYBRIDS, VOCAB, make_config, make_model, package_warnings
 from hf_flashinfer_mla import UnsupportedModelError, paged
 
 NEW_TOKENS = 5

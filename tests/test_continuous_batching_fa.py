@@ -9,7 +9,7 @@ import torch
 from transformers import ContinuousBatchingConfig
 
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
-from conftest import make_model
+from helpers import make_model
 from hf_flashinfer_mla import paged
 from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights
 from test_continuous_batching import eager_tokens, greedy, prompts, small_cb
@@ -118,10 +118,10 @@ def _long_prompts():
 
 @pytest.mark.parametrize("page_size", [32, 64, 128])
 def test_generate_batch_on_trtllm_gen_matches_eager(monkeypatch, page_size):
-    """Blackwell (the trtllm-gen stand-in of ``test_trtllm.py``): decode tokens read Transformers' pages through
+    """Blackwell (the trtllm-gen stand-in of ``fake_flashinfer.py``): decode tokens read Transformers' pages through
     block tables of 64 (or 32) rows gathered from the read indices, with the device's counter buffer; the tokens of
     eager generate() per request."""
-    from test_trtllm import blackwell
+    from fake_flashinfer import blackwell
 
     kernel = blackwell(monkeypatch)
     model = make_model("deepseek_v3")
@@ -140,7 +140,7 @@ def test_generate_batch_on_trtllm_gen_matches_eager(monkeypatch, page_size):
 def test_trtllm_gen_declines_pages_it_cannot_read(monkeypatch):
     """Pages of 4 tokens hold no 32-row page: the decode runs on the reference (fa2 is not available on the
     stand-in), with tokens still equal to eager, and trtllm-gen never launched."""
-    from test_trtllm import blackwell
+    from fake_flashinfer import blackwell
 
     kernel = blackwell(monkeypatch)
     model = make_model("deepseek_v3")

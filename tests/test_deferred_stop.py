@@ -1,11 +1,12 @@
 """generate() reading its stop condition a step late, on CUDA, for flashinfer_mla models (``registration.py``).
 
-Transformers' `DeferredStopCheck` (5.24 and 5.25 have it) reads "have all rows stopped?" one step late, so the host queues the next
-step instead of waiting for the GPU; when every row has stopped it has run one forward too many, and undoes it
-(tokens, logits, scores, the returned cache). Transformers enables it on MPS only; the package enables it on CUDA
-for the caches generate() prepares for a flashinfer_mla model. These tests run that path on the CPU: the package
-admits the CPU there (`DEFERRED_STOP_DEVICES`) and `torch.Event`, which the CPU lacks, gets a stand-in (the CPU has
-finished every op before the next, so every event has happened). The oracle is eager, which checks every step.
+Transformers' `DeferredStopCheck` (5.24 and 5.25 have it) reads "have all rows stopped?" one step late, so the host
+queues the next step instead of waiting for the GPU; when every row has stopped it has run one forward too many, and
+undoes it (tokens, logits, scores, the returned cache). Transformers enables it on MPS only; the package enables it
+on CUDA for the caches generate() prepares for a flashinfer_mla model. These tests run that path on the CPU: the
+package admits the CPU there (`DEFERRED_STOP_DEVICES`) and `torch.Event`, which the CPU lacks, gets a stand-in (the
+CPU has finished every op before the next, so every event has happened). The oracle is eager, which checks every
+step.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import GENERATION_MODES, HYBRIDS, assert_same_outputs, generation_mode, left_padded_batch, make_model, rel_err
+from helpers import (
+    GENERATION_MODES, HYBRIDS, assert_same_outputs, generation_mode, left_padded_batch, make_model, rel_err,
+)
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 from transformers.generation.streamers import BaseStreamer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import decode_logits, left_padded_batch, make_model, rel_err
+from helpers import decode_logits, left_padded_batch, make_model, rel_err
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -139,7 +139,7 @@ def test_the_cache_built_from_the_models_own_config_serves_layers_of_other_width
 
 def test_a_batch_the_cache_does_not_hold_is_refused():
     """A forward of another batch size than the cache holds fails at once, as DynamicCache fails, even where the
-    cache must grow (a growth broadcast the old rows into the new batch)."""
+    cache must grow (where a growth would broadcast the cached rows into the new batch)."""
     from hf_flashinfer_mla import CacheLayoutError
 
     layer = MLALatentLayer()
@@ -153,8 +153,8 @@ def test_a_batch_the_cache_does_not_hold_is_refused():
 def test_a_copied_fp8_cache_reads_the_models_implementation_when_it_is_used():
     """Transformers' recipe for reusing a prompt's cache is ``copy.deepcopy(cache)``. A copy serves the same model:
     it checks the attention implementation the model runs when the copy is used, not the one it ran when it was
-    copied (a copy taken while the model ran eager was refused under flashinfer_mla, and one taken under
-    flashinfer_mla and used under eager failed in a matmul instead of the package's error)."""
+    copied: a copy taken while the model ran eager serves it under flashinfer_mla, and one taken under
+    flashinfer_mla and used under eager gets the package's error, not a failure inside a matmul."""
     import copy
 
     from hf_flashinfer_mla import CacheLayoutError

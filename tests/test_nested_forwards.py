@@ -14,7 +14,7 @@ a per-generate() memo of "the left padding of this (device, batch)" hands one fo
 
 The oracle is Transformers' ``eager`` on the same weights: the same model object, switched with
 ``set_attn_implementation("eager")`` and back. Batched eager is exact in float32 (in float64 its fully masked
-left-padding rows turn into NaN, see shared NOTES), so the batched comparisons run in float32; a second comparison
+left-padding rows turn into NaN), so the batched comparisons run in float32; a second comparison
 runs in float64 against each row generated alone, unpadded, with eager.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     VOCAB, SecondModelStepper, additive_mask, assert_batch_matches_eager_alone, assisted_generate, decode_logits,
     generate_alone_with_eager, left_padded_batch, make_model, rel_err, with_4d_masks,
 )

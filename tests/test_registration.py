@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, decode_logits, left_padded_batch, make_config, make_model, rel_err
+from helpers import VOCAB, decode_logits, left_padded_batch, make_config, make_model, rel_err
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 

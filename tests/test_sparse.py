@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     DSA_FAMILIES, VOCAB, decode_logits, eager_alone, kv_b_proj_rows, left_padded_batch, make_model, mla_layers,
     rel_err, set_attention, with_4d_masks,
 )
@@ -166,7 +166,7 @@ def test_the_selection_matters(dsa_type):
 def _topk(dsa_type, topk):
     """The config override for `index_topk` (GLM-5-next's lives in its text config)."""
     if dsa_type in ("glm5_next", "mistral_large4", "hy_v4_vl"):
-        from conftest import DSA_FAMILIES as registry
+        from helpers import DSA_FAMILIES as registry
         return {"text_config": {**registry[dsa_type][1]["text_config"], "index_topk": topk}}
     return {"index_topk": topk}
 
@@ -320,6 +320,6 @@ def test_generate_uses_the_in_place_indexed_cache(dsa_type):
 def test_registry_covers_every_sparse_mla_type():
     from hf_flashinfer_mla import SPARSE_MLA_MODEL_TYPES
     from hf_flashinfer_mla.models import check_model_supported
-    from conftest import make_config
+    from helpers import make_config
 
     assert {check_model_supported(make_config(t)).model_type for t in DSA_FAMILIES} == set(SPARSE_MLA_MODEL_TYPES)

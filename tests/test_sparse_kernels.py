@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
 import hf_flashinfer_mla
-from conftest import DSA_FAMILIES, VOCAB, decode_logits, eager_alone, left_padded_batch, make_model, rel_err
-from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
-from test_trtllm import fake_blackwell  # noqa: F401  (fixture)
+from helpers import DSA_FAMILIES, VOCAB, decode_logits, eager_alone, left_padded_batch, make_model, rel_err
+from fake_flashinfer import fake_blackwell, fake_hopper  # noqa: F401  (fixtures)
 from transformers import CompileConfig
 
 from hf_flashinfer_mla.kernels import fa
@@ -22,7 +22,7 @@ TOL64 = 1e-6
 
 
 def _matches_eager_per_row(model, steps: int, cache=None) -> None:
-    """Teacher-forced decode of conftest's left-padded batch (7, 4, 12) equals each row alone with eager."""
+    """Teacher-forced decode of the helpers' left-padded batch (7, 4, 12) equals each row alone with eager."""
     ids, mask, prompts = left_padded_batch(lengths=(7, 4, 12))
     forced = torch.randint(1, VOCAB, (3, steps), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():  # (with autograd recording, decode runs the reference: kernels have no backward)

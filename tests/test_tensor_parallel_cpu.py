@@ -5,7 +5,7 @@ GPUs (``kv_b_proj`` a colwise DTensor whose ``.shape`` is global; the query hold
 rowwise with an all-reduce) can be checked here exactly. `scripts/tp_parity.py` is launched twice: in this process
 (one rank) and under ``torchrun --nproc-per-node 2`` (two ranks); both load the same saved checkpoints.
 
-For each of the ten dense MLA families (the small random models of `conftest.FAMILIES`), and for
+For each of the ten dense MLA families (the small random models of `helpers.FAMILIES`), and for
 DeepSeek-V3 and Mistral 4 with attention sharded through a plan override (`tp_parity.mla_attention_tp_plan`):
 flashinfer_mla on two ranks equals flashinfer_mla and sdpa on one rank (teacher-forced logits over a left-padded
 batch; greedy tokens), every rank ends with the same logits, and the attention saw the rank's share of the heads:
@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed
 
-from conftest import FAMILIES, make_config, make_model
+from helpers import FAMILIES, make_config, make_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed with gloo",
 )
 
-TOL = 1e-6  # float64, as in test_models.py
+TOL = 1e-6  # float64, as in test_dense_models.py
 # Checkpoint names run on two ranks; "@attn-plan" adds head-sharded attention to the plan (prototype).
 TP_RUNS = (*FAMILIES, "deepseek_v3@attn-plan", "mistral4@attn-plan")
 

@@ -1,14 +1,14 @@
 """trtllm-gen and cute-dsl inside torch.compile, on the CPU.
 
 ``generate(..., cache_implementation="static")`` compiles its decode step (here with ``aot_eager``) on a pretend
-Blackwell GPU (`test_trtllm.fake_blackwell`) whose FlashInfer kernel is `test_trtllm.FakeTrtllm`, which asserts
+Blackwell GPU (`fake_flashinfer.fake_blackwell`) whose FlashInfer kernel is `fake_flashinfer.FakeTrtllm`, which asserts
 FlashInfer's contract and computes the attention exactly, in float64, through the packed pages and block tables it
 is handed. On that GPU generate() builds its static cache with `MLAStaticLayer` (packed), and the compiled steps run
 the custom op ``hf_flashinfer_mla::decode_in_graph`` on a trtllm-gen (or cute-dsl) CUDA-graph slot: metadata at
 fixed addresses that the mask function reloads before every step. On the CPU the op runs its warm-up branch on
 every step (no capture), so these tests check the slot's metadata and routing, not a replay; and aot_eager hands
 the op a functional copy of the packed cache (same layout, same values), so that the cache's own storage is read in
-place is checked eagerly, in ``test_trtllm.py``.
+place is checked eagerly, in ``test_kernels_trtllm.py``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 
 import pytest
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
-from conftest import assert_batch_matches_eager_alone, left_padded_batch, make_model, package_warnings, rel_err
+from helpers import assert_batch_matches_eager_alone, left_padded_batch, make_model, package_warnings, rel_err
 from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes
-from test_trtllm import SM_COUNT, fake_blackwell  # noqa: F401  (fixture)
+from fake_flashinfer import SM_COUNT, fake_blackwell  # noqa: F401  (fixture)
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
@@ -31,7 +32,7 @@ from hf_flashinfer_mla.kernels import graphs, trtllm
 
 CPU = torch.device("cpu")
 PAGE = trtllm.PAGE_SIZE
-LAYERS = 2  # conftest's models
+LAYERS = 2  # the helpers' models
 # Every call's static cache holds 128 tokens (generate(max_cache_len=...)), so that a batch of one is served by a
 # trtllm-gen slot: see test_batch_of_one_runs_trtllm_gen_in_graphs_at_the_default_cache_length.
 MAX_CACHE = 128

@@ -584,8 +584,8 @@ def _teacher_forced_own_masks(model, forward):
 def test_cuda_graphs_handed_the_callers_own_4d_masks_match_uncompiled(monkeypatch):
     """A forward compiled with CUDA graphs by the caller and handed 4D masks of the caller's own: nothing reloads a
     kernel's slot before a replay, so the graphs run the reference backend and 64 steps match the uncompiled run.
-    Control: with the old rule (every graph handed a mask takes the slots) the replays run on the captured step's
-    schedule and the logits part from the uncompiled run's."""
+    Control: with a rule under which every graph handed a mask takes the slots, the replays run on the captured
+    step's schedule and the logits part from the uncompiled run's."""
     _available("fa3")
     from hf_flashinfer_mla import attention
 
@@ -593,9 +593,9 @@ def test_cuda_graphs_handed_the_callers_own_4d_masks_match_uncompiled(monkeypatc
     model.set_attn_implementation("flashinfer_mla")
     plain = _teacher_forced_own_masks(model, model)
     results = {}
-    for rule in ("mask function", "old: any mask"):
+    for rule in ("mask function", "any mask"):
         torch._dynamo.reset()
-        if rule.startswith("old"):
+        if rule == "any mask":
             monkeypatch.setattr(attention, "mask_planned_outside_graph", lambda: True)
         graphed = _teacher_forced_own_masks(model, torch.compile(model.forward, mode="reduce-overhead"))
         results[rule] = _compare(graphed, plain)
@@ -603,7 +603,7 @@ def test_cuda_graphs_handed_the_callers_own_4d_masks_match_uncompiled(monkeypatc
               f"{results[rule][1]:.3f}")
     err, top1 = results["mask function"]
     assert err < LOGIT_TOL and top1 >= TOP1_MIN
-    err, top1 = results["old: any mask"]
+    err, top1 = results["any mask"]
     assert err > LOGIT_TOL or top1 < TOP1_MIN  # the control: stale slots are detected by these bounds
     del model
     torch.cuda.empty_cache()
@@ -618,7 +618,7 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch)
     Both runs compile with `NO_TIMED_CHOICES`. Otherwise the two compiles may run one RMSNorm reduction with other
     block sizes (R0_BLOCK 2048 in one, 8192 in the other: timed on a loaded GPU, or read from inductor's caches),
     whose bf16 rounding differs now and then in one row, and a near tie later flips a greedy token: twice in
-    fourteen runs of this test on 2026-12-02 (``scripts/dev/probe_graph_modes.py`` found the kernels). With them
+    fourteen runs of this test on an H200 (``scripts/dev/probe_graph_modes.py`` finds the kernels). With them
     both compiles run the same kernels, so any difference left is the package's."""
     _available("fa3")
     from transformers import CompileConfig
@@ -646,7 +646,8 @@ def test_generate_static_cache_graphs_equal_compiled_without_graphs(monkeypatch)
             runs[mode] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                                         cache_implementation="static", compile_config=CompileConfig(mode=mode),
                                         output_logits=True, return_dict_in_generate=True)
-        assert hf_flashinfer_mla.captured_shapes() and max(planned) > 0  # slots of the step's shape existed and were reloaded, sync-free
+        # Slots of the step's shape existed and were reloaded, sync-free.
+        assert hf_flashinfer_mla.captured_shapes() and max(planned) > 0
         graphed, plain = torch.stack(runs["reduce-overhead"].logits), torch.stack(runs["default"].logits)  # [T, B, V]
         err = rel(graphed, plain)
         print(f"generate with CUDA graphs vs compiled without: logits rel err {err:.2e}")

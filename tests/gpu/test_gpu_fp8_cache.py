@@ -1,10 +1,10 @@
 """The FP8 latent cache on Hopper: fa3 reads float8_e4m3fn latent rows in place (bf16 queries).
 
-Kernel level: fa3 over an FP8 cache against the float64 reference over the same values dequantized. Model level
-(issue 9's accuracy check): 64 teacher-forced decode steps of the V2-Lite and V3 shapes with the FP8 cache against
-the bf16 latent cache; the bound is shown to be discriminating by a control that doubles the dequantization scales
-the kernel is given (wrapping ``kernels.fa.run``, the launch of every fa3 layer, and asserting that it reached every
-decode layer). Skipped without CUDA.
+Kernel level: fa3 over an FP8 cache against the float64 reference over the same values dequantized. Model level: 64
+teacher-forced decode steps of the V2-Lite and V3 shapes with the FP8 cache against the bf16 latent cache; the bound
+is shown to be discriminating by a control that doubles the dequantization scales the kernel is given (wrapping
+``kernels.fa.run``, the launch of every fa3 layer, and asserting that it reached every decode layer). Skipped
+without CUDA.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hf_flashinfer_mla.plan import StepPlan, decode_latent
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # FP8 e4m3 keeps 3 mantissa bits: ~4% relative error per cached value, which these random-weight models (near-tied
-# logits) amplify. Measured on an H200 (2026-11-30), FP8 vs bf16 cache: V2-Lite rel 9.4e-2 / top-1 0.85, V3 shape
+# logits) amplify. Measured on an H200, FP8 vs bf16 cache: V2-Lite rel 9.4e-2 / top-1 0.85, V3 shape
 # rel 1.75e-1 / top-1 0.65; the 2x-scale control: rel 0.52-0.53 / top-1 0.22-0.25. The bound sits between the two.
 FP8_LOGIT_TOL = 3e-1
 FP8_TOP1_MIN = 0.5

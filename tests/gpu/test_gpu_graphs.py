@@ -168,11 +168,11 @@ def test_warmed_up_static_generate_records_no_cuda_graph(monkeypatch):
     """Every static-cache generate() builds a new static cache (Transformers 5.24), whose tensors are static inputs
     of the CUDA graphs: a call whose cache lands at other addresses records its graphs again, which costs more than
     the call's replays save. Freed memory is reused at the same addresses only when every call allocates and frees in
-    the same order; a step's plan that formed a reference cycle with its mask was freed whenever Python's garbage
-    collector ran, and DeepSeek-V2-Lite at batch 1 recorded once per call (H200, 2026-12-01: 642 ms a call against
-    sdpa's 498). So calls of one shape, after the first two (compile, then the addresses of the compiled process),
-    record nothing. The control keeps each call's cache alive, as a caller keeping ``out.cache`` does, which moves
-    the next call's cache: it must see recordings."""
+    the same order; a step's plan that formed a reference cycle with its mask would be freed whenever Python's
+    garbage collector ran, and DeepSeek-V2-Lite at batch 1 would record once per call, slower than sdpa. So calls of
+    one shape, after the first two (compile, then the addresses of the compiled process), record nothing. The
+    control keeps each call's cache alive, as a caller keeping ``out.cache`` does, which moves the next call's
+    cache: it must see recordings."""
     model = _fresh_v3()
     captures = []
     real_capture_end = torch.cuda.graphs.CUDAGraph.capture_end
@@ -206,7 +206,7 @@ def test_a_static_cache_kept_across_calls_records_no_cuda_graph_after_the_first(
     """The README's way to keep CUDA graphs replaying across static-cache generate() calls: one `StaticCache`, reset
     and passed to every call. With cache_implementation="static" Transformers builds a new cache per call, and where
     the prefill's activations take the blocks the last call's cache freed, its tensors land at other addresses and
-    CUDA graphs record again (DeepSeek-V3's shape, batch 32, 4k, H200, 2026-12-04: in 4 calls of 5, sdpa alike;
+    CUDA graphs record again (DeepSeek-V3's shape, batch 32, 4k, on an H200: in 4 calls of 5, sdpa alike;
     ``scripts/dev/probe_rerecord.py``). Calls of one batch size with other prompts and paddings on the kept cache
     record nothing after the first two, and their logits are an uncompiled run's, teacher-forced along their
     tokens. The control builds a new cache while the kept one lives: it must record."""

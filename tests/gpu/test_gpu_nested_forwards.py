@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SecondModelStepper
+from helpers import SecondModelStepper
 from test_gpu_backends import LOGIT_TOL, TOP1_MIN, _available, _compare, _model
 from test_gpu_graphs import _batch, _Replay
 from transformers import LogitsProcessorList
@@ -140,7 +140,7 @@ def test_forwards_inside_generate_on_fa3_match_the_reference(nested, cache, monk
           f"top1 {wrong_top1:.3f}")
     assert torch.isfinite(ours[1]).all() and torch.isfinite(ours[2]).all()
     # The main model's top-1 is printed, not bounded: over these 80 positions of near-tied random-weight logits it
-    # was 0.91-0.98 on an H200 (2026-12-03), too close to `TOP1_MIN` for one call; the suite bounds it over more
+    # is 0.91-0.98 on an H200, too close to `TOP1_MIN` for one call; the suite bounds it over more
     # positions (``test_gpu_graphs``, ``test_gpu_backends``). This test is about the nested forwards' logits.
     assert main_err < LOGIT_TOL
     assert nested_err < LOGIT_TOL and nested_top1 >= TOP1_MIN

@@ -82,8 +82,8 @@ def runs():
 def _bounds(one, two, oracle):
     """The bound for flashinfer_mla at TP=2 against `oracle` at TP=1: the single-GPU bounds of the other GPU tests,
     widened by Transformers' own TP noise (eager TP=2 against eager TP=1, measured in the same run). bf16 reductions
-    in another order over 27 random-weight layers move the logits that much with any attention (measured on two
-    H200s, 2026-11-30: eager's own TP noise on V2-Lite rel 7.0e-2, top-1 0.824).
+    in another order over 27 random-weight layers move the logits that much with any attention (on two H200s
+    eager's own TP noise on V2-Lite is rel 7.0e-2, top-1 0.824).
 
     Against `eager` the single-GPU difference between the two implementations adds to the TP noise: the relative
     errors add (triangle inequality), and so do the top-1 disagreements (union bound: the single-GPU tests allow

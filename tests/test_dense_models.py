@@ -1,17 +1,17 @@
 """flashinfer_mla against Transformers' eager attention, on small random models of every dense MLA family in float64
-(CPU; the registry is ``conftest.FAMILIES``).
+(CPU; the registry is ``helpers.FAMILIES``).
 
 The oracle is each prompt generated *alone* (unpadded) with ``eager``: a left-padded eager batch in float64 is
-itself not exact (see shared NOTES), so batched flashinfer_mla must reproduce the unpadded runs. Several families
-cast to float32 internally (RMSNorm everywhere, KDA state updates in the hybrids), so the observed error is
-float32-ulp sized (~1e-7), still well under the 1e-6 bound.
+itself not exact (eager turns its fully masked left-padding rows into NaN), so batched flashinfer_mla must reproduce
+the unpadded runs. Several families cast to float32 internally (RMSNorm everywhere, KDA state updates in the
+hybrids), so the observed error is float32-ulp sized (~1e-7), still well under the 1e-6 bound.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     VOCAB, assert_batch_matches_eager_alone, chained_generate, decode_logits, eager_alone, early_eos, eos_generate,
     kv_b_proj_rows, left_padded_batch, make_model, mla_layers, rel_err, set_attention,
 )
@@ -169,7 +169,7 @@ def test_rows_finishing_early_at_eos_match_eager(cache_implementation):
 
 def test_generate_continued_over_its_cache_with_new_tokens_and_holes_matches_eager():
     """Four chained generate() calls on one left-padded batch, each continuing the previous call's cache
-    (`conftest.chained_generate`): with three new tokens per row; with new tokens of different lengths per row,
+    (`helpers.chained_generate`): with three new tokens per row; with new tokens of different lengths per row,
     padded where they join the history (holes in the 2D mask, which the step's rows then carry); with one new token.
     Batched eager in float32 is the oracle."""
     model = make_model("deepseek_v3", dtype=torch.float32)
@@ -286,7 +286,7 @@ def test_a_prompt_cache_copied_and_continued_matches_eager():
         assert rel_err(torch.stack(ours.logits), torch.stack(theirs.logits)) < TOL
 
 
-# ------------------------------------------ what code relies on from DynamicLayer: it never writes a tensor it handed out
+# ---------------------------------------- what code relies on from DynamicLayer: it never writes a tensor it handed out
 @torch.no_grad()
 def test_a_snapshot_taken_before_a_crop_is_restored_as_eager():
     """A snapshot of the cache's tensors at a branch point (``list(cache)``), a crop further back to try another
@@ -345,7 +345,8 @@ def test_gradients_through_two_forwards_over_one_cache_match_eager():
         first = model(input_ids=ids[:, :7], labels=ids[:, :7], use_cache=True)
         second = model(input_ids=ids[:, 7:], labels=ids[:, 7:], cache=first.cache, use_cache=True)  # (decode-sized)
         (first.loss + second.loss).backward()
-        grads[attn] = [p.grad for p in (model.model.layers[0].self_attn.kv_b_proj.weight, model.model.embed_tokens.weight)]
+        grads[attn] = [p.grad for p in (model.model.layers[0].self_attn.kv_b_proj.weight,
+                                        model.model.embed_tokens.weight)]
     for ours, theirs in zip(grads["flashinfer_mla"], grads["eager"]):
         assert rel_err(ours, theirs) < TOL
 
@@ -414,8 +415,8 @@ def test_a_cache_continued_after_the_model_moves_to_float64_matches_eager():
 def test_multi_token_prediction_drafts_and_verifies_as_eager(monkeypatch):
     """``generate(use_mtp=True)``: Transformers builds an ``MtpModel`` over the main model's config, attention
     implementation included, and drafts with it. Its class has no attention of its own (its layers are the main
-    model's decoder layers, already hooked): it runs flashinfer_mla, where it was refused at construction, and
-    gives eager's tokens and logits. (``MtpModel.from_pretrained`` reads a checkpoint's MTP weights; here the MTP
+    model's decoder layers, already hooked): it runs flashinfer_mla (its construction is not refused) and gives
+    eager's tokens and logits. (``MtpModel.from_pretrained`` reads a checkpoint's MTP weights; here the MTP
     layers are built from the main model, with random weights, through the same constructor.)"""
     from transformers.modeling_layers import MtpModel
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
 
@@ -553,8 +554,8 @@ def test_graph_route_is_the_backend_of_each_shape_at_run_time(capability, no_cud
 
 
 def test_graph_route_decides_per_shape_in_one_process(capability, no_cuda, graph_state):
-    """One process, several shapes and devices: each gets its own decision (the old graph rule was one constant
-    per traced graph)."""
+    """One process, several shapes and devices: each gets its own decision (not one constant per traced
+    graph)."""
     capability((10, 0))
     assert _graph_route(BF16, 16, "auto")[0].backend == "trtllm-gen"
     assert _graph_route(BF16, 24, "auto")[0].backend == "cute-dsl"

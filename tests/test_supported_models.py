@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import FAMILIES, HYBRIDS, decode_logits, kv_b_proj_rows, make_model, mla_layers, rel_err
+from helpers import FAMILIES, HYBRIDS, decode_logits, kv_b_proj_rows, make_model, mla_layers, rel_err
 from transformers import AttentionInterface
 
 import hf_flashinfer_mla
@@ -53,8 +53,8 @@ def test_every_model_type_transformers_builds_with_mla_attention_is_supported():
 @pytest.mark.parametrize("model_type", list(SAME_CLASS_AS))
 def test_a_config_of_its_own_over_another_familys_class_generates_as_eager(model_type):
     """``sarvam_mla`` has its own configuration class and Transformers builds ``DeepseekV3ForCausalLM`` from it:
-    it loads with flashinfer_mla (it was refused: not a known model type) and generates eager's tokens."""
-    from conftest import left_padded_batch
+    it loads with flashinfer_mla, though its model type is not one of the registry's, and generates eager's tokens."""
+    from helpers import left_padded_batch
 
     config = transformers.CONFIG_MAPPING[model_type](**FAMILIES[SAME_CLASS_AS[model_type]][1])
     ids, mask, _ = left_padded_batch()
@@ -146,7 +146,8 @@ def test_multimodal_image_forward_keeps_the_vision_tower_off_flashinfer_mla(monk
 
 def test_multimodal_switching_after_load_names_the_text_model():
     model = kimi_k25(attn="sdpa")
-    with pytest.raises(UnsupportedModelError, match=r"multimodal.*deepseek_v3.*set_attn_implementation\(\{'text_config'"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"multimodal.*deepseek_v3.*set_attn_implementation\(\{'text_config'"):
         model.set_attn_implementation("flashinfer_mla")
     assert implementations(model) == ("sdpa", "sdpa", "sdpa")
     model.set_attn_implementation({"text_config": "flashinfer_mla"})

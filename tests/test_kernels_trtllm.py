@@ -1,30 +1,28 @@
 """Blackwell decode that runs without a GPU: the head-count rule (`capabilities`), the counter buffer
 (`kernels.trtllm`, `buffers`), the packed-page view, the block tables built from a step's host rows
 (`trtllm.build` / `trtllm.fixed`), the step's route when trtllm-gen declines it (`plan.StepPlan.route`), and the call
-into FlashInfer, checked by `FakeTrtllm`: a stand-in for ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla``
-that applies FlashInfer's documented contract and its own argument checks, then computes the attention exactly
-(float64) through the packed pages and block tables it is given. `blackwell` / `fake_blackwell` make the package
-believe it runs on an SM100 GPU with that kernel (``test_trtllm_graphs.py`` and ``test_dispatch.py`` use them too).
+into FlashInfer, checked by `fake_flashinfer.FakeTrtllm`: a stand-in for
+``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`` that applies FlashInfer's documented contract and its own
+argument checks, then computes the attention exactly (float64) through the packed pages and block tables it is given.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
-import flashinfer.mla
 import flashinfer.utils
 import pytest
-pytest.importorskip("flashinfer", reason="these tests check the package against FlashInfer's own host code (full install)")
+pytest.importorskip("flashinfer",
+                    reason="these tests check the package against FlashInfer's own host code (full install)")
 
 import torch
-from conftest import (
+from helpers import (
     VOCAB, assert_batch_matches_eager_alone, assert_same_outputs, decode_logits, generation_mode, left_padded_batch,
     make_model, mla_layers, package_warnings, rel_err,
 )
-from fake_flashinfer import fake_hopper, fresh_caches  # noqa: F401  (fixture)
+from fake_flashinfer import SM_COUNT, FakeTrtllm, blackwell, fake_blackwell, fake_hopper, fresh_caches  # noqa: F401
 from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import _trtllm_gen_mla_incompatibility_reason
-from flashinfer.utils import _resolve_trtllm_gen_multi_ctas_kv_counter_buffer, get_trtllm_gen_multi_ctas_kv_counter_bytes
+from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes
 
 from transformers import DynamicCache
 
@@ -39,145 +37,14 @@ from hf_flashinfer_mla.plan import StepPlan, decode_latent
 from hf_flashinfer_mla.rows import Rows
 
 RANK, ROPE, ROW, PAGE = 512, 64, 576, 64
-SM_COUNT = 148  # a B200
 CPU = torch.device("cpu")
 META = torch.device("meta")
-
-
-# ---------------------------------------------------------------------------------------- the FlashInfer stand-in
-
-
-@dataclass
-class FakeTrtllm:
-    """``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`` on the CPU.
-
-    It takes exactly the keywords the package passes (any other is a TypeError) and asserts FlashInfer's contract:
-    ``query [B, Sq, H, L + R]``; ``kv_cache`` the *packed* paged cache ``[pages, page_size, L + R]`` (one row per
-    token, latent then rope); ``block_tables [B, pages]`` and ``seq_lens [B]`` int32; ``max_seq_len`` a Python int
-    bounding the lengths; ``bmm1_scale`` a Python float (a captured graph holds it as a constant); ``backend="auto"``
-    with a caller-owned uint8 ``multi_ctas_kv_counter_buffer`` that FlashInfer's own check accepts (trtllm-gen
-    counts in it), or ``backend="cute-dsl"`` with none (FlashInfer raises if one is given). Then it computes the
-    attention of each sequence over the first ``seq_lens[b]`` rows of its pages, causal over the step's query
-    tokens, in float64. Each call is recorded (`calls`), with copies of its tables and lengths and the counter
-    tensor itself (held, so that a buffer allocated anew per call could not reuse a freed address)."""
-
-    sm_count: int = SM_COUNT
-    calls: list = field(default_factory=list)
-
-    def __call__(self, *, query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
-                 block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend,
-                 multi_ctas_kv_counter_buffer=None, sparse_mla_top_k=0):
-        assert query.dim() == 4, query.shape
-        b, sq, h, width = query.shape
-        for value in (qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, max_seq_len):
-            assert type(value) is int, value
-        assert width == kv_lora_rank + qk_rope_head_dim
-        # The packed paged cache: [pages, page_size, L + R], rows adjacent, one page after the other.
-        assert kv_cache.dim() == 3 and kv_cache.shape[1] in (32, 64) and kv_cache.shape[2] == width, kv_cache.shape
-        page = kv_cache.shape[1]
-        assert kv_cache.stride() == (page * width, width, 1), kv_cache.stride()
-        assert kv_cache.dtype == query.dtype and kv_cache.device == query.device
-        assert query.dtype != torch.float16, "FlashInfer's trtllm-gen MLA writes a bfloat16 output"
-        assert workspace_buffer.dtype == torch.uint8 and workspace_buffer.is_contiguous()
-        assert workspace_buffer.device == query.device
-        if sparse_mla_top_k:
-            return self._sparse(query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend,
-                                multi_ctas_kv_counter_buffer, sparse_mla_top_k, kv_lora_rank)
-        assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == b
-        assert seq_lens.dtype == torch.int32 and seq_lens.shape == (b,)
-        assert block_tables.device == seq_lens.device == query.device
-        lens = seq_lens.tolist()
-        assert all(n >= sq for n in lens) and max_seq_len >= max(lens), (lens, max_seq_len)
-        assert all(-(-n // page) <= block_tables.shape[1] for n in lens), (lens, block_tables.shape)
-        # FlashInfer 0.7.4 (flashinfer/mla/_utils.py, for backend "auto" and "cute-dsl"): 128 rows' worth of pages.
-        assert block_tables.shape[1] % (128 // page) == 0, f"block_num {block_tables.shape[1]}, block_size {page}"
-        assert type(bmm1_scale) is float and type(bmm2_scale) is float and bmm2_scale == 1.0
-        counter = multi_ctas_kv_counter_buffer
-        eligible = _trtllm_gen_mla_incompatibility_reason(num_heads_q=h, block_size=page) is None
-        if backend == "cute-dsl" or (backend == "auto" and not eligible):
-            if counter is not None:  # what FlashInfer 0.7.4 raises
-                raise ValueError("multi_ctas_kv_counter_buffer is only supported when a trtllm-gen runner is selected")
-        elif backend == "auto":
-            # The package's side of the contract: its own zero-once buffer, never FlashInfer's per-call allocation.
-            assert counter is not None, "trtllm-gen must be given the package's counter buffer"
-            assert counter.dtype == torch.uint8 and counter.dim() == 1
-            _resolve_trtllm_gen_multi_ctas_kv_counter_buffer(counter, b * sq, h, self.sm_count, query.device)
-        else:
-            raise AssertionError(f"unexpected backend {backend!r}")
-        # The pages each sequence reads: inside the cache, and no page read by two sequences of the batch.
-        read = [block_tables[i, : -(-n // page)].long() for i, n in enumerate(lens)]
-        everything = torch.cat(read)
-        assert bool(((everything >= 0) & (everything < kv_cache.shape[0])).all()), block_tables
-        assert everything.unique().numel() == everything.numel(), block_tables
-        self.calls.append(dict(
-            backend=backend, counter=counter, heads=h, batch=b, q_len=sq, tables=block_tables.clone(),
-            seq_lens=seq_lens.clone(), max_seq_len=max_seq_len, tables_ptr=block_tables.data_ptr(),
-            seq_lens_ptr=seq_lens.data_ptr(), kv_storage=kv_cache.untyped_storage().data_ptr(),
-            pages=kv_cache.shape[0], scale=bmm1_scale))
-        out = torch.empty(b, sq, h, kv_lora_rank, dtype=torch.float64)
-        for i, n in enumerate(lens):
-            kv = kv_cache[read[i]].reshape(-1, width)[:n].double()  # [n, L + R]
-            scores = torch.einsum("qhd,kd->hqk", query[i].double(), kv) * bmm1_scale
-            visible = torch.arange(n)[None, :] <= torch.arange(n - sq, n)[:, None]  # [Sq, n]
-            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-            out[i] = torch.einsum("hqk,kd->qhd", probs, kv[:, :kv_lora_rank])
-        return out.to(query.dtype)
-
-
-    def _sparse(self, query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, backend, counter,
-                topk, kv_lora_rank):
-        """Sparse MLA (``sparse_mla_top_k``, DeepSeek-V3.2 / GLM-5), as vLLM's FlashInfer sparse backend calls it:
-        ``block_tables [B, Sq, topk]`` int32 flat cache slots (``page * page_size + offset``), each query token's
-        selection, `topk` a multiple of 4 wide; a token attends to the first ``min(seq_lens[b], topk)`` of them,
-        which must all be slots (-1 only after them); no causal rule (the selection is the token's own)."""
-        b, sq, h, width = query.shape
-        assert type(topk) is int and block_tables.shape == (b, sq, topk) and block_tables.dtype == torch.int32
-        assert topk % 4 == 0, f"SparseMlaTopK must be a multiple of 4 (FlashInfer's C++ launcher; got {topk})"
-        assert seq_lens.dtype == torch.int32 and seq_lens.shape == (b,) and max_seq_len >= int(seq_lens.max())
-        assert type(bmm1_scale) is float and bmm2_scale == 1.0 and backend == "auto" and counter is not None
-        _resolve_trtllm_gen_multi_ctas_kv_counter_buffer(counter, b * sq, h, self.sm_count, query.device)
-        slots = kv_cache.shape[0] * kv_cache.shape[1]
-        read = torch.arange(topk) < seq_lens.clamp(max=topk).long()[:, None, None]  # [B, 1, topk]
-        assert bool((block_tables[read.expand_as(block_tables)] >= 0).all()), "a -1 among the slots seq_lens reads"
-        assert bool((block_tables < slots).all()) and bool((seq_lens > 0).all())
-        flat = kv_cache.reshape(slots, width)
-        self.calls.append(dict(backend=backend, counter=counter, heads=h, batch=b, q_len=sq, sparse=topk,
-                               tables=block_tables.clone(), seq_lens=seq_lens.clone(), scale=bmm1_scale))
-        out = torch.empty(b, sq, h, kv_lora_rank, dtype=torch.float64)
-        for i in range(b):
-            for t in range(sq):
-                kv = flat[block_tables[i, t][read[i, 0]].long()].double()
-                probs = (torch.einsum("hd,kd->hk", query[i, t].double(), kv) * bmm1_scale).softmax(-1)
-                out[i, t] = probs @ kv[:, :kv_lora_rank]
-        return out.to(query.dtype)
-
-
-def blackwell(monkeypatch, dtype=torch.float64, dims=(32, 8), sm_count=SM_COUNT) -> FakeTrtllm:
-    """Make the package see an SM100 GPU (any device) whose trtllm-gen/cute-dsl kernel is a `FakeTrtllm`, for
-    `dtype` and latent `dims`; with fresh device buffers, graph slots and captured routes."""
-    kernel = FakeTrtllm(sm_count)
-    monkeypatch.setattr(capabilities, "device_capability", lambda device: (10, 0))
-    monkeypatch.setattr(capabilities, "KERNEL_DTYPES", (dtype,))
-    monkeypatch.setattr(capabilities, "KERNEL_DIMS", tuple(dims))
-    monkeypatch.setattr(capabilities, "_flashinfer_import_error", lambda: None)
-    monkeypatch.setattr(flashinfer.mla, "trtllm_batch_decode_with_kv_cache_mla", kernel)
-    monkeypatch.setattr(flashinfer.utils, "get_device_sm_count", lambda device: sm_count)
-    monkeypatch.setattr(buffers, "WORKSPACE_BYTES", 1 << 16)
-    fresh_caches()
-    return kernel
-
-
-@pytest.fixture
-def fake_blackwell(monkeypatch):
-    """`blackwell` for conftest's float64 models (latent 32 + rope 8)."""
-    yield blackwell(monkeypatch)
-    fresh_caches()  # (CUDA-graph slots of the stand-in's kernel would be reloaded by a later test's steps)
 
 
 # ---------------------------------------------------------------------------------------------------- head counts
 
 
-# Written out by hand (not computed from the rule): from vLLM's FlashInfer MLA backend and the shared notes.
+# Written out by hand (not computed from the rule), from vLLM's FlashInfer MLA backend.
 TILEABLE = [1, 2, 4, 7, 8, 9, 12, 15, 16, 32, 33, 40, 48, 63, 64, 128, 192, 256]
 NOT_TILEABLE = [0, 17, 20, 24, 31, 65, 80, 96, 100, 127, 129, 160, 255]
 
@@ -405,8 +272,8 @@ def test_trtllm_decode_call_contract(monkeypatch, caplog, requested, heads, back
 
 
 def test_fake_rejects_what_flashinfer_rejects(monkeypatch, clean_counters, sm_count):
-    """Control: the stand-in raises for the calls the old code made (a counter with cute-dsl), for a counter sized
-    for too few query tokens, as FlashInfer does, and for what the contract excludes: an unpacked cache, a scale
+    """Control: the stand-in raises, as FlashInfer does, for a counter given with cute-dsl and for a counter sized
+    for too few query tokens, and for what the contract excludes: an unpacked cache, a scale
     given as a tensor, a length its table does not cover, int64 tables, and trtllm-gen without the package's
     counter."""
     fake = FakeTrtllm()
@@ -782,7 +649,7 @@ def test_prefill_chunks_inside_left_padding_run_on_the_reference(request, caplog
 
 @pytest.mark.parametrize("mode", ["assisted-other", "assisted-self", "beams", "sampling", "guidance", "second-model"])
 def test_generation_modes_on_trtllm_gen_match_the_reference(fake_blackwell, monkeypatch, mode):
-    """``conftest.generation_mode`` on the trtllm-gen stand-in against the same calls on the reference backend, with
+    """``helpers.generation_mode`` on the trtllm-gen stand-in against the same calls on the reference backend, with
     prompts of 70 and 6 tokens: left padding 0 and 64, on trtllm-gen's pages, so the padded batches' decode steps run
     the kernel too. The stand-in attends through the block tables and lengths it is given, where the reference reads
     the step's mask: cropped caches and 5-token verify steps (assisted), reordered caches (beams), repeated batches
