@@ -10,8 +10,6 @@ from transformers.utils import logging
 
 import hf_flashinfer_mla  # noqa: F401  (registers "flashinfer_mla")
 from helpers import FAMILIES
-# Re-exported for code that imports the library from here (``from conftest import make_model``).
-from helpers import *  # noqa: E402,F401,F403
 
 
 @pytest.fixture(scope="session", autouse=True)

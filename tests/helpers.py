@@ -1,6 +1,6 @@
 """The suite's library: small random MLA models of every supported family (no download), the decode loop, the
 generation modes, and the eager oracles. Test files import it as ``from helpers import ...`` (pytest puts tests/ on
-the path, as it does for conftest.py); conftest.py keeps only fixtures and re-exports these names."""
+the path, as it does for conftest.py); conftest.py keeps only fixtures."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import FAMILIES, HYBRIDS, make_model, rel_err
+from helpers import FAMILIES, HYBRIDS, make_model, rel_err
 from transformers import GenerationConfig
 
 exporters = pytest.importorskip("transformers.exporters.utils")

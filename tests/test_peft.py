@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from conftest import VOCAB, decode_logits, kv_b_proj_rows, left_padded_batch, make_model, mla_layers, rel_err
+from helpers import VOCAB, decode_logits, kv_b_proj_rows, left_padded_batch, make_model, mla_layers, rel_err
 from transformers import DynamicCache
 
 peft = pytest.importorskip("peft")

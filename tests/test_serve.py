@@ -28,7 +28,7 @@ pytest.importorskip("fastapi", reason="transformers serve needs its [serving] ex
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from conftest import VOCAB, make_model  # noqa: E402
+from helpers import VOCAB, make_model  # noqa: E402
 from hf_flashinfer_mla import UnsupportedModelError  # noqa: E402
 
 pytestmark = pytest.mark.server

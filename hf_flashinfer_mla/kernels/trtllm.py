@@ -24,7 +24,7 @@ Continuous batching's paged latent cache is read the same way (`paged`): its row
 pages of 32 or 64 rows (or a multiple) give the block tables, gathered from the step's read indices.
 
 This path follows FlashInfer's documented contract but has not run on Blackwell hardware: no such GPU was
-available to the project; a CPU stand-in checks the calls (``tests/test_trtllm.py``).
+available to the project; a CPU stand-in checks the calls (``tests/test_kernels_trtllm.py``).
 """
 
 from __future__ import annotations

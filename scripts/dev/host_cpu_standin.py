@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from conftest import decode_logits, make_model  # noqa: E402
+from helpers import decode_logits, make_model  # noqa: E402
 from fake_flashinfer import FakeMLAModule, fake_hopper  # noqa: E402,F401  (fixture)
 from transformers import AttentionInterface  # noqa: E402
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_flashinfer_mla
-from conftest import VOCAB, decode_logits, eager_alone, left_padded_batch, make_model, rel_err
+from helpers import VOCAB, decode_logits, eager_alone, left_padded_batch, make_model, rel_err
 from fake_flashinfer import fresh_caches
 from harness import install
 

@@ -16,7 +16,7 @@ import flashinfer.mla._core as core
 import flashinfer.mla._batch_mla._backends.trtllm_gen_backend as tgb
 import flashinfer.cute_dsl.attention.monolithic.mla_decode as cmd
 import flashinfer.cute_dsl.utils as cute_utils
-from test_trtllm import blackwell, SM_COUNT  # noqa: F401
+from fake_flashinfer import blackwell, SM_COUNT  # noqa: F401
 from fake_flashinfer import fresh_caches
 
 REAL = flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla

@@ -1,5 +1,5 @@
 """The sparse (DSA) trtllm-gen call against FlashInfer 0.7.4's own Python path (native launch emulated), and the
-per-token bookkeeping on the stand-in (tests/test_trtllm.py). See README.md here.
+per-token bookkeeping on the stand-in (tests/fake_flashinfer.py). See README.md here.
 
     python scripts/dev/flashinfer_entry/sparse.py [-k EXPR]
 """
@@ -18,8 +18,8 @@ import flashinfer.mla
 import flashinfer.mla._core as core
 import flashinfer.mla._batch_mla._backends.trtllm_gen_backend as tgb
 import hf_flashinfer_mla
-from conftest import DSA_FAMILIES, VOCAB, decode_logits, eager_alone, left_padded_batch, make_model, rel_err
-from test_trtllm import blackwell, fake_blackwell, SM_COUNT  # noqa: F401
+from helpers import DSA_FAMILIES, VOCAB, decode_logits, eager_alone, left_padded_batch, make_model, rel_err
+from fake_flashinfer import blackwell, fake_blackwell, SM_COUNT  # noqa: F401
 from fake_flashinfer import fresh_caches
 from harness import counter_bytes
 
