@@ -23,8 +23,8 @@ Where the dense matrix comes from:
   proj(0)`` is exactly ``W^T``). The copy is a non-persistent buffer of ``kv_b_proj``: it moves with ``.to()``, is
   never saved, and is re-derived when any parameter or buffer of the module changes (identity or version; a write
   through ``weight.data`` is the one change no key sees). It costs ``rows * kv_lora_rank`` activation-dtype values
-  per layer (32 MiB per layer for DeepSeek-V3 in bf16), paid only by layers that decode. Such a module gives no absorbed path when
-  its parameters need gradients, or when its forward is not linear (dropout in train mode, say).
+  per layer (32 MiB per layer for DeepSeek-V3 in bf16), paid only by layers that decode. Such a module gives no
+  absorbed path when its parameters need gradients, or when its forward is not linear (dropout in train mode, say).
 
 Where no absorbed weight can be trusted to compute what the module computes, the attention expands the latent
 through the module itself, as sdpa does (`absorbed_weights` returns None, after one warning saying why,
@@ -115,15 +115,14 @@ def _absorbed_weights(module: nn.Module, dtype: torch.dtype) -> AbsorbedWeights 
     if not adapters.is_lora(proj):
         return _base_weights(module, proj, proj, dtype)
     # A PEFT LoRA layer: its base absorbed as any kv_b_proj, its adapters applied live (``adapters.py``).
-    reason = adapters.not_live(proj)
-    if reason is not None:
-        logger.warning_once(f"flashinfer_mla: decode expands the latent through kv_b_proj itself, as sdpa does, "
-                            f"instead of absorbing its weights: {reason}.")
-        return None
-    base = _base_weights(module, proj, proj.base_layer, dtype)
+    base = _base_weights(module, proj, proj._modules["base_layer"], dtype)
     if base is None:
         return None
     terms = adapters.lora_terms(proj, base.num_heads, module.qk_nope_head_dim, dtype)
+    if isinstance(terms, str):
+        logger.warning_once(f"flashinfer_mla: decode expands the latent through kv_b_proj itself, as sdpa does, "
+                            f"instead of absorbing its weights: {terms}.")
+        return None
     if not terms:
         return base
     return dataclasses.replace(base, lora=terms, biased=base.biased or any(t.v_bias is not None for t in terms))
@@ -139,7 +138,7 @@ def _base_weights(module: nn.Module, proj: nn.Module, linear: nn.Module, dtype: 
         # (a class can be swapped on an instance)
         weight, bias = linear._parameters.get("weight"), linear._parameters.get("bias")
         if (weight is hit.weight and bias is hit.bias and _storage(weight, bias, hit.sharded) == hit.storage
-                and _hooks_key(proj) == hit.hooks):
+                and _hooks_key(proj, linear) == hit.hooks):
             return hit.views
     if _is_plain_linear(linear):
         if not _absorbable(proj):
@@ -150,7 +149,7 @@ def _base_weights(module: nn.Module, proj: nn.Module, linear: nn.Module, dtype: 
         views = _split(module, weight, bias)
         sharded = isinstance(linear.weight, DTensor)
         _views[module] = _Views(proj, linear, linear.weight, linear.bias, sharded,
-                                _storage(linear.weight, linear.bias, sharded), _hooks_key(proj), views)
+                                _storage(linear.weight, linear.bias, sharded), _hooks_key(proj, linear), views)
         return views
     if torch.is_grad_enabled() and any(p.requires_grad for p in linear.parameters()):
         return None  # a derived copy would carry no gradient to the module's own parameters
@@ -173,7 +172,7 @@ class _Views:
     bias: torch.Tensor | None
     sharded: bool  # DTensors (tensor parallelism): their local shards are what move
     storage: tuple  # `_storage` of weight and bias
-    hooks: tuple  # `_hooks_key` of kv_b_proj
+    hooks: tuple  # `_hooks_key` of kv_b_proj and the linear
     views: AbsorbedWeights
 
 
@@ -247,16 +246,16 @@ def _aligned(module: nn.Module) -> bool:
     return all(isinstance(h, AlignDevicesHook) and not h.offload for h in hooks)
 
 
-def _hooks_key(proj: nn.Module) -> tuple:
-    """The forward hooks that may run on `proj` (their handles' ids) and whether its forward is replaced: tensor
-    parallelism's hooks and accelerate's alignment, set once, keep the views of `_views`; any change since makes
-    `unabsorbable` look again. A LoRA layer's submodules (its base, its adapters' linears) count too."""
-    if type(proj) is not nn.Linear:
-        return (tuple((tuple(m._forward_pre_hooks), tuple(m._forward_hooks), m.__dict__.get("forward"))
-                      for m in proj.modules()),
-                tuple(_nn_module._global_forward_pre_hooks), tuple(_nn_module._global_forward_hooks))
-    return (tuple(proj._forward_pre_hooks), tuple(proj._forward_hooks), tuple(_nn_module._global_forward_pre_hooks),
-            tuple(_nn_module._global_forward_hooks), proj.__dict__.get("forward"))
+def _hooks_key(proj: nn.Module, linear: nn.Module) -> tuple:
+    """The forward hooks that may run on `proj` and its base `linear` (their handles' ids) and whether their forward
+    is replaced: tensor parallelism's hooks and accelerate's alignment, set once, keep the views of `_views`; any
+    change since makes `unabsorbable` look again. (A LoRA's adapter modules are looked at every step,
+    ``adapters.lora_terms``.)"""
+    key = (tuple(proj._forward_pre_hooks), tuple(proj._forward_hooks), tuple(_nn_module._global_forward_pre_hooks),
+           tuple(_nn_module._global_forward_hooks), proj.__dict__.get("forward"))
+    if linear is proj:
+        return key
+    return key, tuple(linear._forward_pre_hooks), tuple(linear._forward_hooks), linear.__dict__.get("forward")
 
 
 def _where(hook) -> str:
