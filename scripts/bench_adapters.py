@@ -82,10 +82,13 @@ def main(argv=None) -> int:
           f"LoRA r={args.rank} x {args.adapters} on kv_b_proj; medians of {args.repeats} alternated runs of "
           f"{args.steps} steps")
     bc.print_table(["kv_b_proj", "step ms", "host ms", "added us/layer", "vs without"], rows)
-    bc.write_json(args.out, "bench_adapters.json", {
-        "environment": bc.environment(device, args), "layers": layers, "step_ms_median": medians,
-        "host_ms_median": host, "ratio": medians["with"] / medians["without"], "runs": runs,
-    })
+    results = [{"kv_b_proj": mode, "status": "ok", "layers": layers, "rank": args.rank, "adapters": args.adapters,
+                "step_ms_median": medians[mode], "host_ms_median": host[mode],
+                "ratio": medians[mode] / medians["without"], "runs": runs[mode]} for mode in runs]
+    path = bc.write_json(args.out, "bench_adapters.json",
+                         {"metadata": bc.environment(device, args), "results": results})
+    if path:
+        print(f"wrote {path}")
     return 0
 
 
