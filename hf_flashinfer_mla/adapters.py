@@ -40,7 +40,9 @@ class LoraTerm:
 
 def is_lora(proj: nn.Module) -> bool:
     """Whether `proj` is a PEFT LoRA layer (any of its backends: a plain, bitsandbytes, GPTQ, ... base)."""
-    return hasattr(proj, "get_delta_weight") and hasattr(proj, "base_layer") and hasattr(proj, "lora_A")
+    # (dict lookups first: this runs for every layer of every step, and nn.Module's attribute misses raise)
+    modules = proj._modules
+    return "lora_A" in modules and "base_layer" in modules and hasattr(type(proj), "get_delta_weight")
 
 
 def live_adapters(proj: nn.Module) -> list[tuple[str, float]]:
