@@ -24,16 +24,16 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
-from .absorption import absorb_query, absorbed_weights, project_output
-from .cache import FP8, dequantize_latent
-from .capabilities import load_backend, requested_backend
+from .absorption import absorbed_weights
+from .cache import dequantize_latent
+from .capabilities import requested_backend
+from .decode import decode_layer
 from .errors import CacheLayoutError, UnsupportedModelError
-from .kernels.graphs import mask_planned_outside_graph
-from .kernels import reference
 from .masks import MAX_DECODE_QUERY, selection_mask
 from .models import ATTN_NAME, is_mla_attention, original_expand_kv
-from .paged import allocator_of, attend as paged_attend
-from .plan import layer_of, step_plan
+from .paged_attention import attend as paged_attend
+from .paged_cache import allocator_of
+from .plan import step_plan
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
@@ -64,7 +64,7 @@ def flashinfer_mla_attention_forward(
             f"`{ATTN_NAME}` attention does not return attention weights (`output_attentions=True`): set the "
             'attention to "eager" if you need them.'
         )
-    paged = allocator_of(key)  # continuous batching: key/value are rows of the paged latent cache (paged.py)
+    paged = allocator_of(key)  # continuous batching: key/value are rows of the paged latent cache (paged_cache.py)
     if paged is not None:
         return paged_attend(paged, module, query, key, value, scaling, mla_backend, **kwargs)
     kv_latent, k_rot = _check_latent(module, key, value)
@@ -96,44 +96,10 @@ def flashinfer_mla_attention_forward(
             f"query has {query.shape[1]} heads but kv_b_proj holds {weights.num_heads}: q_b_proj/q_proj and "
             "kv_b_proj must be sharded the same way (both column-wise by heads under tensor parallelism)."
         )
-    q_lat, q_pe = absorb_query(query, module.qk_nope_head_dim, weights)  # [H, B*Sq, L], [B*Sq, H, R]
-    grad = torch.is_grad_enabled() and (q_lat.requires_grad or kv_latent.requires_grad or k_rot.requires_grad)
-    topk = 0 if indices is None else indices.shape[-1]
-    if torch.compiler.is_compiling():
-        o_lat = _decode_compiled(module, attention_mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad,
-                                 indices, s_aux)
-    else:
-        plan = step_plan(attention_mask, module)  # the mask's own plan, or one for a mask built elsewhere
-        # The layer's shape: the key of its route in the step's plan (only the step's first layer of a shape
-        # builds one; the others look it up).
-        key = (q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[0], kv_latent.shape[-1], k_rot.shape[-1],
-               kv_latent.stride(0), kv_latent.stride(2), kv_latent.shape[0], scale, mla_backend, grad, topk,
-               s_aux is not None)
-        route = plan.routes.get(key)
-        if route is None:
-            _check_pitch(kv_latent, k_rot)
-            route = plan.route(key, layer_of(q_lat, kv_latent, k_rot, scale, topk, s_aux is not None),
-                               requested_backend(mla_backend, module.config), grad)
-        o_lat = route.run(q_lat, q_pe, kv_latent, k_rot, indices, s_aux)
-    return project_output(o_lat, weights, query.shape[0]), None
-
-
-def _decode_compiled(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad, indices, sinks):
-    """A decode step being traced by torch.compile. generate()'s static-cache graphs receive their mask from outside
-    and run the custom op, which routes each compiled shape on its step's plan; a graph that builds its own mask, one
-    autograd must differentiate, or a sparse or sink layer's, runs the reference backend inline."""
-    if kv_latent.dtype == FP8:
-        raise CacheLayoutError(
-            "the FP8 latent cache (MLALatentCache(dtype=torch.float8_e4m3fn)) does not run inside torch.compile "
-            "or CUDA graphs yet; generate without compiling, or use the bf16 cache (cache_implementation="
-            '"static") for CUDA graphs.'
-        )
-    if indices is not None:
-        return reference.attend_sparse(mask, indices, scale, q_lat, q_pe, kv_latent, k_rot, sinks)
-    if grad or sinks is not None or not mask_planned_outside_graph():
-        return reference.attend(mask, scale, q_lat, q_pe, kv_latent, k_rot, sinks)
-    requested = mla_backend or load_backend(module.config) or ""
-    return torch.ops.hf_flashinfer_mla.decode_in_graph(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested)
+    # The step's plan rides on its mask (inside a compiled graph the mask stands for it: `decode.decode_layer`).
+    step = None if torch.compiler.is_compiling() else step_plan(attention_mask, module)
+    return decode_layer(module, step, query, kv_latent, k_rot, weights, scale, mla_backend, indices, s_aux,
+                        attention_mask), None
 
 
 def _attention_with_sinks(module, query, key_states, value_states, attention_mask, dropout, scaling):
@@ -170,11 +136,6 @@ def _fit_mask(mask: torch.Tensor, query: torch.Tensor, kv_latent: torch.Tensor) 
         fitted = mask.expand(shape)
         setattr(mask, _FITTED, fitted)
     return fitted
-
-
-def _check_pitch(kv_latent: torch.Tensor, k_rot: torch.Tensor) -> None:
-    if kv_latent.shape[0] > 1 and kv_latent.stride(0) // kv_latent.stride(2) != k_rot.stride(0) // k_rot.stride(2):
-        raise CacheLayoutError("the latent and rope caches disagree on the rows between two sequences")
 
 
 def _check_latent(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

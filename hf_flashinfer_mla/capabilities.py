@@ -185,13 +185,15 @@ def choose_backend(
 
 
 def fallbacks(backend: str, device: torch.device, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
-              num_heads: int, fp8_latent: bool) -> tuple[str, ...]:
+              num_heads: int, fp8_latent: bool, paged: bool = False) -> tuple[str, ...]:
     """The backends a step tries, in order, when `backend` declines its plan (FlashInfer's validators, a cache
     layout trtllm-gen cannot read): fa3 then fa2 where fa2 can run (not for the FP8 latent, whose fa2 module is
-    not built ahead of time), and always the reference last."""
+    not built ahead of time), and always the reference last. A `paged` step (continuous batching) also tries fa2
+    after trtllm-gen or cute-dsl, which need Transformers' pages to be a multiple of 32 rows: fa2 reads any."""
     chain = [backend]
-    if backend == "fa3" and not fp8_latent and not unavailable_reason("fa2", device, dtype, kv_lora_rank, rope_dim,
-                                                                     num_heads):
+    blackwell = paged and backend in ("trtllm-gen", "cute-dsl")
+    if (backend == "fa3" or blackwell) and not fp8_latent and not unavailable_reason(
+            "fa2", device, dtype, kv_lora_rank, rope_dim, num_heads):
         chain.append("fa2")
     if backend != "reference":
         chain.append("reference")

@@ -67,10 +67,61 @@ class Route:
         return self.kernel(self.meta, self.layer, q_lat, q_pe, kv_latent, k_rot, scales, indices)
 
 
-class StepPlan:
+class Routing:
+    """What the decode layers of one forward share to run: per layer shape, the `Route` built by the first such
+    layer (`route`). A generate() step (`StepPlan`) and a continuous-batching step (``paged_attention.PagedStep``)
+    are both one; kernel builders read them through ``rows()``, ``mask_on``, ``q_len`` and ``pages``."""
+
+    q_len: int
+    pages = None  # where a paged cache keeps each request's rows (``rows.PageTable``); None: the cache's own layout
+    paged = False  # continuous batching's chain tries fa2 after the Blackwell kernels (``capabilities.fallbacks``)
+
+    def __init__(self):
+        self.routes: dict[tuple, Route] = {}
+        self._ahead: dict[tuple, Any] = {}  # what the previous step planned for this one (`StepPlan.plan_next`)
+
+    def rows(self) -> Rows:
+        raise NotImplementedError
+
+    def layer_of(self, q_lat, kv_latent, k_rot, scale: float, topk: int = 0, sinks: bool = False) -> Layer:
+        """The `Layer` spec of one call on this step (its cache's pitch and packing read from the views' strides)."""
+        return layer_of(q_lat, kv_latent, k_rot, scale, topk, sinks)
+
+    def route(self, key: tuple, layer: Layer, requested: str, grad: bool) -> Route:
+        """The step's `Route` for layers of this shape, built by the first such layer: the backend `requested`
+        resolves to (``capabilities.choose_backend``), or the next one of its fallback chain that accepts the step.
+
+        A step that autograd must differentiate (a training forward of <= 8 tokens) runs on the reference backend:
+        FlashInfer's kernels have no backward, and gradients must not silently stop at the attention."""
+        route = self.routes.get(key) or self._ahead.pop(("route", key), None)  # (or planned by the previous step)
+        if route is None:
+            backend = self._backend(layer, requested, grad)
+            chain = capabilities.fallbacks(backend, layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
+                                           layer.kv_dtype == FP8, self.paged)
+            route = first_accepting(
+                chain, layer, lambda candidate, reads: FAMILIES[candidate].build(candidate, self, reads), self.q_len)
+        self.routes[key] = route
+        return route
+
+    @staticmethod
+    def _backend(layer: Layer, requested: str, grad: bool) -> str:
+        backend = capabilities.choose_backend(layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
+                                              requested)
+        if grad and backend != "reference":
+            logger.warning_once(
+                f"flashinfer_mla: a decode step ran with autograd recording, so it used the PyTorch reference backend "
+                f"instead of {backend} (FlashInfer's kernels have no backward). For inference, run under "
+                "torch.no_grad() or torch.inference_mode(), as generate() does."
+            )
+            return "reference"
+        return backend
+
+
+class StepPlan(Routing):
     """Everything the decode layers of one forward step share, on every device the model runs on."""
 
     def __init__(self, mask: torch.Tensor, rows: Rows | None = None, config=None):
+        super().__init__()
         if mask.dim() != 4:
             raise ValueError(f"expected a 4D attention mask [batch, 1, q_len, kv_len], got shape {tuple(mask.shape)}")
         self.source_shape, self.source_dtype = tuple(mask.shape), mask.dtype
@@ -88,8 +139,6 @@ class StepPlan:
         self.device = mask.device
         self._rows = rows
         self.config = config  # of the model whose mask function built it (None: a mask from elsewhere)
-        self.routes: dict[tuple, Route] = {}
-        self._ahead: dict[tuple, Any] = {}  # what the previous step planned for this one (`plan_next`)
         self._loaded: set[tuple] = set()  # graph slots this step has loaded
         self.slot_refusals: dict[tuple, str] = {}  # slots of this shape whose kernel cannot serve this step
         # The attention modules that ran on this plan (by id), with their layer_idx (see `step_plan`).
@@ -139,36 +188,7 @@ class StepPlan:
             self._masks[key] = mask.to(device, non_blocking=True)
         return self._masks[key]
 
-    # ------------------------------------------------------------------------------------------------- routing
-    def route(self, key: tuple, layer: Layer, requested: str, grad: bool) -> Route:
-        """The step's `Route` for layers of this shape, built by the first such layer: the backend `requested`
-        resolves to (``capabilities.choose_backend``), or the next one of its fallback chain that accepts the step.
-
-        A step that autograd must differentiate (a training forward of <= 8 tokens) runs on the reference backend:
-        FlashInfer's kernels have no backward, and gradients must not silently stop at the attention."""
-        route = self.routes.get(key) or self._ahead.pop(("route", key), None)  # (or planned by the previous step)
-        if route is None:
-            backend = self._backend(layer, requested, grad)
-            chain = capabilities.fallbacks(backend, layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
-                                           layer.kv_dtype == FP8)
-            route = first_accepting(
-                chain, layer, lambda candidate, reads: FAMILIES[candidate].build(candidate, self, reads), self.q_len)
-        self.routes[key] = route
-        return route
-
-    @staticmethod
-    def _backend(layer: Layer, requested: str, grad: bool) -> str:
-        backend = capabilities.choose_backend(layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
-                                              requested)
-        if grad and backend != "reference":
-            logger.warning_once(
-                f"flashinfer_mla: a decode step ran with autograd recording, so it used the PyTorch reference backend "
-                f"instead of {backend} (FlashInfer's kernels have no backward). For inference, run under "
-                "torch.no_grad() or torch.inference_mode(), as generate() does."
-            )
-            return "reference"
-        return backend
-
+    # ------------------------------------------------------------------------------------------- graph slots
     def graph_route(self, key: tuple, layer: Layer, requested: str) -> GraphSlotRoute:
         """The route of a compiled decode step while torch warms its graph up: the slot of this shape on the backend
         this step would take (its metadata at fixed addresses, loaded for this step), or the reference backend."""
@@ -277,8 +297,7 @@ def _reads_in_place(backend: str, layer: Layer) -> bool:
 def first_accepting(chain, layer: Layer, build, q_len: int) -> Route:
     """The `Route` of the first backend of `chain` whose builder accepts the step (``build(backend, layer spec)``
     returns its metadata or raises `Refused`): the one place where a refusal moves a step down its fallback chain,
-    for generate()'s steps (`StepPlan.route`) and continuous batching's (``paged.py``). Each kind of refusal is
-    reported once."""
+    for every step (`Routing.route`). Each kind of refusal is reported once."""
     refusals = []
     for candidate in chain:
         reads = layer if _reads_in_place(candidate, layer) else dataclasses.replace(

@@ -29,7 +29,7 @@ cannot serve (a replay cannot switch backends). And generate() reads its stop co
 
 Continuous batching (``generate_batch``, the manager, ``transformers serve``) gets four wrappers and one table entry,
 in one block at the end: the manager refuses what it cannot serve in the caller's thread (when built, and when a
-persistent one is handed out again) and turns CUDA graphs off, the paged cache holds the latent (``paged.py``), and
+persistent one is handed out again) and turns CUDA graphs off, the paged cache holds the latent (``paged_cache.py``), and
 each prepared batch hands its host-side lengths to the attention.
 """
 
@@ -45,7 +45,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
 
-from . import paged
+from . import paged_attention, paged_cache
 from .attention import flashinfer_mla_attention_forward
 from .cache import MLAStaticLayer, adopt_latent_layers, packed_layout_for
 from .capabilities import LOAD_ATTR, requested_backend, validate_backend
@@ -303,7 +303,7 @@ def _slots_checked_before_compiled_steps(original):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Continuous batching (generate_batch, init_continuous_batching, transformers serve) over the paged latent cache:
-# the logic lives in paged.py; these four wrappers, the allocator table's entry and (5.25+) the cache module's
+# the logic lives in paged_cache.py and paged_attention.py; these four wrappers, the allocator table's entry and (5.25+) the cache module's
 # MLACacheAllocator name are the seams where Transformers offers no hook.
 # ----------------------------------------------------------------------------------------------------------------
 def _manager_checked(original):
@@ -313,10 +313,10 @@ def _manager_checked(original):
     # host-planned paged kernels cannot replay: they are turned off here, with one log line saying why.
     @functools.wraps(original)
     def __init__(self, model, *args, **kwargs):
-        paged.refuse_unservable(model)
+        paged_cache.refuse_unservable(model)
         original(self, model, *args, **kwargs)
-        if paged.uses_latent(self.model.config.get_text_config()):
-            paged.disable_graphs(self.continuous_batching_config)
+        if paged_cache.uses_latent(self.model.config.get_text_config()):
+            paged_cache.disable_graphs(self.continuous_batching_config)
 
     return __init__
 
@@ -326,13 +326,13 @@ def _cached_manager_checked(original):
     # again: a model switched to another attention since (eager, sdpa) would read the cached latent rows as per-head
     # keys and values and return wrong tokens. The check runs here too.
     # The manager also keeps its paged cache, built for the attention of its first run: from 5.25, where eager and
-    # sdpa page the latent too, that is checked as well (paged.refuse_kept_cache).
+    # sdpa page the latent too, that is checked as well (paged_cache.refuse_kept_cache).
     @functools.wraps(original)
     def init_continuous_batching(self, *args, **kwargs):
         manager = getattr(self, "_cached_continuous_batching_manager", None)
         if manager is not None:
-            paged.refuse_unservable(self)
-            paged.refuse_kept_cache(self, manager)
+            paged_cache.refuse_unservable(self)
+            paged_cache.refuse_kept_cache(self, manager)
         return original(self, *args, **kwargs)
 
     return init_continuous_batching
@@ -342,12 +342,12 @@ def _latent_paged_cache(original):
     # PagedAttentionCache picks its allocator from a module-level table and sizes tokens from the config's head_dim
     # and key-value heads: per-head K/V rows, which the MLA latent does not fit. For flashinfer_mla models it is built
     # by Transformers' own code with a config view that sizes latent rows, for which the table's full-attention
-    # allocator (paged.FullOrLatentAllocator, put there once) builds latent rows.
+    # allocator (paged_cache.FullOrLatentAllocator, put there once) builds latent rows.
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
-        if not paged.uses_latent(config):
+        if not paged_cache.uses_latent(config):
             return original(self, config, *args, **kwargs)
-        return paged.build_paged_cache(original, self, config, *args, **kwargs)
+        return paged_cache.build_paged_cache(original, self, config, *args, **kwargs)
 
     return __init__
 
@@ -359,7 +359,7 @@ def _paged_steps(original):
     @functools.wraps(original)
     def prepare_batch_tensors(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        paged.prepare_step(self.cache, self.requests_in_batch, self.num_q_tokens)
+        paged_attention.prepare_step(self.cache, self.requests_in_batch, self.num_q_tokens)
 
     return prepare_batch_tensors
 
@@ -370,11 +370,11 @@ def _register_continuous_batching() -> None:
     _patch(continuous_api.ContinuousBatchingManager, "__init__", _manager_checked)
     _patch(continuous_api.ContinuousMixin, "init_continuous_batching", _cached_manager_checked)
     _patch(cb_cache.PagedAttentionCache, "__init__", _latent_paged_cache)
-    cb_cache.ATTN_TYPE_TO_ALLOCATOR[paged.FULL_ATTENTION] = paged.FullOrLatentAllocator
-    if paged.MLAOrLatentAllocator is not None:
+    cb_cache.ATTN_TYPE_TO_ALLOCATOR[paged_cache.FULL_ATTENTION] = paged_cache.FullOrLatentAllocator
+    if paged_cache.MLAOrLatentAllocator is not None:
         # 5.25's PagedAttentionCache._create_allocator picks this name from its module for any config with a
         # kv_lora_rank, before the table: our sizing view has one, so the latent rows must come from here too.
-        cb_cache.MLACacheAllocator = paged.MLAOrLatentAllocator
+        cb_cache.MLACacheAllocator = paged_cache.MLAOrLatentAllocator
     _patch(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", _paged_steps)
 
 

@@ -132,6 +132,44 @@ class Rows:
         return Rows(visible.clamp(0, topk).reshape(-1).to(torch.int32), 1, None)
 
 
+@dataclass(eq=False)
+class PageTable:
+    """Where the requests of a continuous-batching step keep their rows: request ``r``'s rows are ``indices[offsets[r]
+    : offsets[r] + lens[r]]`` (host offsets, the step's read indices on the device) in a layer's view of the paged
+    cache, whose pages of `page_rows` rows store the latent packed (0: not packed). A step's decode requests need
+    not be adjacent in it: ``offsets`` are not compact."""
+
+    offsets: torch.Tensor  # [B] int64, host
+    indices: torch.Tensor  # [end] the step's read indices, on the device
+    end: int  # rows of the whole table
+    page_rows: int = 0
+    _typed: dict = field(default_factory=dict)
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The read indices in `dtype` (int32 for FlashInfer), converted once per step."""
+        if dtype not in self._typed:
+            self._typed[dtype] = self.indices[: self.end].to(dtype)
+        return self._typed[dtype]
+
+    def indptr(self) -> torch.Tensor:
+        """``[B + 1]`` int32 page offsets (not compact: FlashInfer's generated module takes any, ``kernels/fa.py``)."""
+        return torch.cat([self.offsets, torch.tensor([self.end])]).to(torch.int32)
+
+    def gather(self, lens: torch.Tensor, device: torch.device, compact: bool = False):
+        """Each request's rows: ``compact``, in one run ``[sum(lens)]`` (FlashInfer's public wrapper takes compact
+        offsets), else ``[B, max(lens)]`` padded with the request's first row, with the mask of its real rows
+        ``[B, 1, 1, max(lens)]`` (the reference)."""
+        lens = lens.long()
+        width = int(lens.max()) if lens.numel() else 0
+        positions = torch.arange(width)
+        mask = positions < lens[:, None]
+        index = torch.where(mask, self.offsets[:, None] + positions, self.offsets[:, None])
+        table = self.typed(torch.int32 if compact else torch.long)
+        if compact:
+            return table[to_device(index[mask], device)]
+        return table[to_device(index, device)], to_device(mask[:, None, None], device)
+
+
 def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 

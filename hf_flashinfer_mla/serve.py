@@ -12,7 +12,7 @@ is pickled there, and unpickling `MLAModelLoader` imports this module, so the mo
 * the command line: ``--attn-implementation`` defaults to ``flashinfer_mla`` (any other value is passed through
   unchanged); ``--max-model-len`` exists on every Transformers version; a device this machine lacks, a model path
   that does not exist and other bad values are one line and exit status 2, before anything loads;
-* with ``--continuous-batching``, a model continuous batching cannot serve (see ``paged.refuse_unservable``) fails
+* with ``--continuous-batching``, a model continuous batching cannot serve (see ``paged_cache.refuse_unservable``) fails
   when it is loaded (at server start for a model named on the command line), not at its first request;
 * requests (`_check_request`): sampling settings out of range or of the wrong type are refused with a 400 naming the
   field, a chat completion without a list of ``messages`` with a 422, each in OpenAI's error shape
@@ -46,7 +46,7 @@ from transformers.cli.serving import model_manager as _transformers_model_manage
 from transformers.cli.serving import utils as _serving_utils
 from transformers.utils import logging
 
-from . import paged
+from . import paged_cache
 from .models import ATTN_NAME
 
 PROG = "python -m hf_flashinfer_mla.serve"
@@ -73,7 +73,7 @@ class _AcceptsFlashinferMLA:
     def _load_model(self, *args, **kwargs):
         model = super()._load_model(*args, **kwargs)
         if self._flashinfer_mla_cb:
-            paged.refuse_unservable(model)
+            paged_cache.refuse_unservable(model)
         return model
 
 

@@ -59,7 +59,7 @@ def run_cb(model, prompts, args, device, sdpa_prefill=False) -> dict:
 
     from hf_flashinfer_mla.kernels import ragged
 
-    # The A/B switch: with no head dims "supported", paged.py prefills every chunk on SDPA (its fallback).
+    # The A/B switch: with no head dims "supported", paged_attention.py prefills every chunk on SDPA (its fallback).
     supported = ragged.supported_dims
     if sdpa_prefill:
         ragged.supported_dims = lambda qk, vo: False

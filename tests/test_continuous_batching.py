@@ -1,4 +1,4 @@
-"""Continuous batching (``generate_batch``, the manager) over the paged latent cache (``paged.py``), on the CPU.
+"""Continuous batching (``generate_batch``, the manager) over the paged latent cache (``paged_cache.py``, ``paged_attention.py``), on the CPU.
 
 Every dense family of the registry generates through Transformers' own continuous-batching loop, with a cache small
 enough that requests queue and prefills are chunked (so steps mix decodes with prefill chunks that read a cached
@@ -18,7 +18,7 @@ from transformers.generation.continuous_batching.distributed import DistributedH
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from helpers import FAMILIES, HYBRIDS, VOCAB, make_config, make_model, package_warnings
-from hf_flashinfer_mla import UnsupportedModelError, paged
+from hf_flashinfer_mla import UnsupportedModelError, paged_attention, paged_cache
 
 NEW_TOKENS = 5
 LENGTHS = (3, 9, 1, 14, 6, 11)
@@ -55,14 +55,14 @@ def eager_tokens(model, batch, new_tokens=NEW_TOKENS) -> list[list[int]]:
 def steps(monkeypatch):
     """Every `PagedStep` the loop prepared: (query lengths, rows seen) per request."""
     seen = []
-    original = paged.PagedStep.of_batch
+    original = paged_attention.PagedStep.of_batch
 
     def of_batch(requests, tokens):
         step = original(requests, tokens)
         seen.append((step.q_lens.tolist(), step.k_lens.tolist()))
         return step
 
-    monkeypatch.setattr(paged.PagedStep, "of_batch", staticmethod(of_batch))
+    monkeypatch.setattr(paged_attention.PagedStep, "of_batch", staticmethod(of_batch))
     return seen
 
 
@@ -145,7 +145,7 @@ def test_mla_on_other_implementations_refused_or_served_by_transformers(steps):
     sdpa: served, with eager's tokens, and none of this package's paged steps ran."""
     model = make_model("deepseek_v3", attn="sdpa", dtype=torch.float32)
     batch = prompts((3, 4))
-    if paged.TRANSFORMERS_MLA_ALLOCATOR is None:
+    if paged_cache.TRANSFORMERS_MLA_ALLOCATOR is None:
         with pytest.raises(UnsupportedModelError, match='attn_implementation="flashinfer_mla"'):
             model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
         return
@@ -167,7 +167,7 @@ def test_non_mla_models_untouched():
     config = CONFIG_MAPPING["llama"](hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                      num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB)
     config._attn_implementation = "sdpa"
-    paged.refuse_unservable(SimpleNamespace(config=config))
+    paged_cache.refuse_unservable(SimpleNamespace(config=config))
     cache = _paged_cache(config)
     assert type(cache.cache_allocators["full_attention"]).__name__ == "FullAttentionCacheAllocator"
 
@@ -186,13 +186,13 @@ def test_cache_sized_from_latent_bytes():
     config._attn_implementation = "flashinfer_mla"
     cache = _paged_cache(config)
     allocator = cache.cache_allocators["full_attention"]
-    assert isinstance(allocator, paged.LatentAllocator)
+    assert isinstance(allocator, paged_cache.LatentAllocator)
     assert allocator.bytes_per_page == 4 * 576 * 2  # page_size x latent row x bf16
     config._attn_implementation = "sdpa"
     # Up to Transformers 5.24 its own cache sizes per-head K/V; from 5.25 it pages the latent too (its MLA allocator).
-    per_token = 576 if paged.TRANSFORMERS_MLA_ALLOCATOR is not None else 2 * 128 * 64
+    per_token = 576 if paged_cache.TRANSFORMERS_MLA_ALLOCATOR is not None else 2 * 128 * 64
     own = _paged_cache(config)
-    assert not isinstance(own.cache_allocators["full_attention"], paged.LatentAllocator)
+    assert not isinstance(own.cache_allocators["full_attention"], paged_cache.LatentAllocator)
     assert own.cache_allocators["full_attention"].bytes_per_page / allocator.bytes_per_page == pytest.approx(
         per_token / 576)
     # The sizing counts bytes: the same number of blocks takes that much less memory.
@@ -208,8 +208,8 @@ def test_odd_latent_width_rounds_up():
 
 def test_cuda_graphs_turned_off_once(caplog):
     cb = ContinuousBatchingConfig(use_cuda_graph=True)
-    paged.disable_graphs(cb)
-    paged.disable_graphs(ContinuousBatchingConfig(use_cuda_graph=(True, False)))
+    paged_cache.disable_graphs(cb)
+    paged_cache.disable_graphs(ContinuousBatchingConfig(use_cuda_graph=(True, False)))
     assert cb.cuda_graph_booleans == (False, False)
     assert len([m for m in package_warnings(caplog) if "without CUDA graphs" in m]) == 1
 
@@ -242,9 +242,9 @@ def test_forward_without_prepared_step_reads_lengths(monkeypatch):
     model = make_model("deepseek_v3", dtype=torch.float32)
     batch = prompts((5, 3, 8))
     read = []
-    monkeypatch.setattr(paged, "prepare_step", lambda *a, **k: None)  # registration.py calls it through the module
-    original = paged.PagedStep.from_kwargs
-    monkeypatch.setattr(paged.PagedStep, "from_kwargs", staticmethod(lambda *a: read.append(1) or original(*a)))
+    monkeypatch.setattr(paged_attention, "prepare_step", lambda *a, **k: None)  # registration.py calls it through the module
+    original = paged_attention.PagedStep.from_kwargs
+    monkeypatch.setattr(paged_attention.PagedStep, "from_kwargs", staticmethod(lambda *a: read.append(1) or original(*a)))
     out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
     assert read
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
@@ -259,7 +259,7 @@ def test_generate_batch_frees_its_cache():
     model.generate_batch(inputs=prompts()[:2], generation_config=greedy(2),
                          continuous_batching_config=small_cb())
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, (paged.LatentAllocator, PagedAttentionCache))]
+    assert not [o for o in gc.get_objects() if isinstance(o, (paged_cache.LatentAllocator, PagedAttentionCache))]
 
 
 def test_forked_requests_of_a_one_token_prompt_get_every_sequence():
@@ -297,7 +297,7 @@ def test_a_persistent_manager_refuses_a_model_switched_to_another_attention(othe
 def test_a_persistent_manager_built_on_sdpa_refuses_a_switch_to_flashinfer_mla():
     """From Transformers 5.25 an MLA model on sdpa is served with Transformers' own latent rows; a manager kept from
     such a run, handed to the model switched to flashinfer_mla, raises instead of failing every request."""
-    if paged.TRANSFORMERS_MLA_ALLOCATOR is None:
+    if paged_cache.TRANSFORMERS_MLA_ALLOCATOR is None:
         pytest.skip("Transformers 5.24 and older do not page an MLA model on sdpa (refused above)")
     model = make_model("deepseek_v3", attn="sdpa", dtype=torch.float32)
     batch = prompts((7, 9))
@@ -320,16 +320,16 @@ def test_the_allocator_table_is_never_swapped_while_an_mla_cache_is_built(monkey
     from transformers.generation.continuous_batching import cache as cb_cache
 
     seen = []
-    original = paged.LatentAllocator.__init__
+    original = paged_cache.LatentAllocator.__init__
 
     def init(self, *args, **kwargs):  # runs in the middle of the MLA cache's construction
         seen.append(getattr(cb_cache.ATTN_TYPE_TO_ALLOCATOR["full_attention"], "supports_block_table", "missing"))
         original(self, *args, **kwargs)
 
-    monkeypatch.setattr(paged.LatentAllocator, "__init__", init)
+    monkeypatch.setattr(paged_cache.LatentAllocator, "__init__", init)
     mla = make_config("deepseek_v3")
     mla._attn_implementation = "flashinfer_mla"
-    assert type(_paged_cache(mla).cache_allocators["full_attention"]) is paged.LatentAllocator
+    assert type(_paged_cache(mla).cache_allocators["full_attention"]) is paged_cache.LatentAllocator
     assert seen and "missing" not in seen
     llama = CONFIG_MAPPING["llama"](hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                     num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB)

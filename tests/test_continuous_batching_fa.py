@@ -10,7 +10,7 @@ from transformers import ContinuousBatchingConfig
 
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from helpers import make_model
-from hf_flashinfer_mla import paged
+from hf_flashinfer_mla import paged_attention
 from hf_flashinfer_mla.absorption import absorb_query, absorbed_weights
 from test_continuous_batching import eager_tokens, greedy, prompts, small_cb
 
@@ -100,12 +100,12 @@ def test_mixed_step_kernel_against_reference(fake_hopper):
     weights = absorbed_weights(attn, torch.float64)
     outs = {}
     for backend in ("fa3", "reference"):
-        step = paged.PagedStep(q_lens, k_lens, tokens)
-        idx = step.cu_q[step.decode]
-        key = (query.device, query.dtype, heads, 32, 8, 0.3, backend)
-        route = paged._route(step, key, table)
+        step = paged_attention.PagedStep(q_lens, k_lens, tokens)
+        step.start(table, 0)
+        q_lat, q_pe = absorb_query(query[:, :, step.cu_q[step.decode]], attn.qk_nope_head_dim, weights)
+        route = step.route(backend, step.layer_of(q_lat, kv, rot, 0.3), backend, False)
         assert route.backend == backend
-        outs[backend] = route.run(*absorb_query(query[:, :, idx], attn.qk_nope_head_dim, weights), kv, rot)
+        outs[backend] = route.run(q_lat, q_pe, kv, rot)
     torch.testing.assert_close(outs["fa3"], outs["reference"], rtol=1e-10, atol=1e-10)
     plan = fake_hopper.modules["fa3"].plans[-1]
     assert plan["kv_len"].tolist() == [9, 13] and plan["kv_indptr"][:2].tolist() == [0, 16]

@@ -12,7 +12,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_flashinfer_mla
-from hf_flashinfer_mla import absorption, attention, paged
+from hf_flashinfer_mla import absorption, attention, paged_cache
 from hf_flashinfer_mla.capabilities import ENV_VAR, requested_backend
 from hf_flashinfer_mla.errors import BackendUnavailableError, CacheLayoutError, UnsupportedModelError
 
@@ -49,12 +49,12 @@ def test_register_is_idempotent():
     # Continuous batching's allocators: our stand-ins, each over Transformers' own class (never over itself).
     from transformers.generation.continuous_batching import cache as cb_cache
 
-    assert cb_cache.ATTN_TYPE_TO_ALLOCATOR[paged.FULL_ATTENTION] is paged.FullOrLatentAllocator
-    assert paged.FullOrLatentAllocator.__bases__ == (cb_cache.FullAttentionCacheAllocator,)
-    if paged.TRANSFORMERS_MLA_ALLOCATOR is not None:  # Transformers 5.25+
-        assert cb_cache.MLACacheAllocator is paged.MLAOrLatentAllocator
-        assert paged.MLAOrLatentAllocator.__bases__ == (paged.TRANSFORMERS_MLA_ALLOCATOR,)
-        assert not paged.TRANSFORMERS_MLA_ALLOCATOR.__name__.startswith("LatentOr")
+    assert cb_cache.ATTN_TYPE_TO_ALLOCATOR[paged_cache.FULL_ATTENTION] is paged_cache.FullOrLatentAllocator
+    assert paged_cache.FullOrLatentAllocator.__bases__ == (cb_cache.FullAttentionCacheAllocator,)
+    if paged_cache.TRANSFORMERS_MLA_ALLOCATOR is not None:  # Transformers 5.25+
+        assert cb_cache.MLACacheAllocator is paged_cache.MLAOrLatentAllocator
+        assert paged_cache.MLAOrLatentAllocator.__bases__ == (paged_cache.TRANSFORMERS_MLA_ALLOCATOR,)
+        assert not paged_cache.TRANSFORMERS_MLA_ALLOCATOR.__name__.startswith("LatentOr")
 
 
 def test_switching_back_and_forth_gives_each_implementations_own_result():

@@ -17,8 +17,10 @@ and returns ``o_lat [H, N, L]``: the layouts absorption produces and the project
 between them (FlashInfer's kernels take their query's and output's strides).
 
 A builder that cannot serve a step raises `Refused`, with the reason; the step's plan (``plan.py``) then tries the
-next backend of its chain (``capabilities.fallbacks``). Builders read the step through three attributes only
-(``rows()``, ``mask_on(device, additive)``, ``q_len``), so no kernel module imports the plan.
+next backend of its chain (``capabilities.fallbacks``). Builders read the step through four attributes only
+(``rows()``, ``mask_on(device, additive)``, ``q_len``, and ``pages``: where a paged cache keeps each request's rows,
+None outside continuous batching), so no kernel module imports the plan. One builder per family serves every
+caller: ``generate()``'s steps, continuous batching's (``paged_attention.py``) and CUDA-graph slots (``into=``).
 """
 
 from __future__ import annotations

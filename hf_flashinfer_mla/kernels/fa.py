@@ -93,13 +93,16 @@ def cache_rows(latent: torch.Tensor, pitch: int | None = None) -> torch.Tensor:
     return latent.as_strided((rows, 1, d), (row, row, 1), latent.storage_offset())
 
 
-def addressing(rows: Rows, pitch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def addressing(rows: Rows, pitch: int, device: torch.device, pages=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(page offsets [B + 1] int32 on the host, page indices int32 on `device`)`` for the generated module.
 
     Its kernels read sequence ``b``'s pages at ``kv_indices[kv_indptr[b] + j]`` for ``j < kv_len[b]`` (the plan
     copies ``kv_indptr[b]`` per work item; ``scheduler.cuh`` ``MLAPlan``, ``mla_hopper.cuh``/``mla.cuh``), so the
     offsets need not be compact: single-run rows point straight into the identity (`buffers.identity_rows`) and
-    nothing is built per step. Rows with holes get compact offsets and their explicit indices."""
+    nothing is built per step; a paged cache's requests (`rows.PageTable`) into the step's read indices. Rows with
+    holes get compact offsets and their explicit indices."""
+    if pages is not None:
+        return pages.indptr(), pages.typed(torch.int32)
     if rows.first is None:
         return rows.kv_indptr(), rows.kv_indices(pitch, device)
     return rows.page_offsets(pitch), identity_rows(device, rows.batch * pitch)
@@ -341,18 +344,19 @@ def build(backend: str, step, layer, into: FaMetadata | None = None, staged: Sta
         return sparse_metadata(backend, step.rows(), layer)
     if into is not None:
         return _rebuild_fixed(into, step, layer, staged)
+    rows, pages = step.rows(), step.pages
     if uses_generated_module():
         engine = generated_fa(layer, backend)
-        rows = step.rows()
-        kv_indptr, kv_indices = addressing(rows, layer.pitch, layer.device)
+        kv_indptr, kv_indices = addressing(rows, layer.pitch, layer.device, pages)
         workspace = engine.new_workspace()
         plan_info = engine.plan(rows, kv_indptr, causal, workspace)
         return FaMetadata(backend, causal, engine, workspace, plan_info, kv_indices)
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-    rows = step.rows()
     wrapper = BatchMLAPagedAttentionWrapper(workspace_buffer(layer.device), backend=backend)
-    wrapper_plan(wrapper, rows, rows.kv_indices(layer.pitch, layer.device), causal, layer)
+    indices = (rows.kv_indices(layer.pitch, layer.device) if pages is None
+               else pages.gather(rows.lens, layer.device, compact=True))
+    wrapper_plan(wrapper, rows, indices, causal, layer)
     return FaMetadata(backend, causal, None, wrapper=wrapper)
 
 

@@ -11,7 +11,7 @@ and the packed queries are passed as the views the model produces, without copie
 
 fa3 takes query/key head dim 192 with value head dim 128 (DeepSeek) besides equal dims of 64, 128 or 256
 (``flashinfer.utils.is_fa3_prefill_head_dim_supported``). Other dims, other GPUs and a plan FlashInfer declines run
-on SDPA (``paged.py``). Requests are grouped so that one group's expanded keys and values stay within
+on SDPA (``paged_attention.py``). Requests are grouped so that one group's expanded keys and values stay within
 `EXPANDED_BYTES` (a single longer request is a group of its own): the transient memory is bounded per step.
 
 As for the decode kernels, a builder plans once per step (`plan`) and the kernel call only runs (`run`). A planned

@@ -21,11 +21,19 @@ import torch
 from ..rows import as_bool_mask
 
 
-def build(backend: str, step, layer, into=None, staged=None) -> weakref.ref:
+def build(backend: str, step, layer, into=None, staged=None):
+    if step.pages is not None:  # a paged cache: each request's rows gathered, and the mask of its real ones
+        return step.pages.gather(step.rows().lens, layer.device)
     return weakref.ref(step.mask_on(layer.device, additive=True))
 
 
 def run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None, sinks=None) -> torch.Tensor:
+    if isinstance(meta, tuple):  # (rows [B, W] of a paged cache's [1, 1, rows, D] views, mask [B, 1, 1, W])
+        index, mask = meta
+        b, width = index.shape
+        kv_latent, k_rot = (cache[0, 0].index_select(0, index.flatten()).view(b, 1, width, -1)
+                            for cache in (kv_latent, k_rot))
+        return attend(mask, layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)
     mask = meta() if isinstance(meta, weakref.ref) else meta
     if layer.topk:
         return attend_sparse(mask, indices, layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)

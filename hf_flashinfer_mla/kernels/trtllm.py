@@ -20,7 +20,7 @@ indices``: token ``j`` of sequence ``b`` sits at that flat slot of the packed pa
 that count as its ``seq_lens``; the per-step part (offsets, validity, counts) is built once, each layer adds its
 indices.
 
-Continuous batching's paged latent cache is read the same way (`paged`): its rows are packed, and Transformers'
+Continuous batching's paged latent cache is read the same way (`_paged`): its rows are packed, and Transformers'
 pages of 32 or 64 rows (or a multiple) give the block tables, gathered from the step's read indices.
 
 This path follows FlashInfer's documented contract but has not run on Blackwell hardware: no such GPU was
@@ -125,6 +125,8 @@ def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=
     refuse_inexpressible(rows)
     if layer.topk:
         return _sparse(backend, rows, layer, into)
+    if step.pages is not None:
+        return _paged(backend, layer, rows, step.pages)
     if into is not None:
         tables, lens = _host_tables(rows, layer, into.block_tables.shape[1])
         into.block_tables.copy_(to_device(tables, layer.device), non_blocking=True)
@@ -157,25 +159,24 @@ def _sparse(backend: str, rows, layer, into) -> TrtllmMetadata:
                           sparse=(to_device(offsets.contiguous(), layer.device), to_device(selectable, layer.device)))
 
 
-def paged(backend: str, layer, lens: torch.Tensor, offsets: torch.Tensor, page_table: torch.Tensor,
-          tokens_per_page: int) -> TrtllmMetadata:
-    """Continuous batching's decode requests over Transformers' paged latent cache (``paged.py``): request ``r``'s
-    rows are ``page_table[offsets[r] : offsets[r] + lens[r]]`` (host offsets and lengths), rows of the layer's view
-    that run on within each of Transformers' pages of `tokens_per_page` rows. With pages of 64 (or 32) rows dividing
-    those, the ``c``-th page of the request is the one holding the row of its token ``c * 64``: a gather on the
-    device from the read indices, no sync."""
+def _paged(backend: str, layer, rows, pages) -> TrtllmMetadata:
+    """Continuous batching's decode requests over Transformers' paged latent cache: request ``r``'s rows (`pages`,
+    a ``rows.PageTable``) run on within each of Transformers' pages of ``pages.page_rows`` rows. With pages of 64
+    (or 32) rows dividing those, the ``c``-th page of the request is the one holding the row of its token ``c * 64``:
+    a gather on the device from the read indices, no sync."""
     if not layer.packed:
         raise Refused("the paged cache does not store the latent packed (its rows are wider than rank + rope)")
-    size = next((p for p in (PAGE_SIZE, 32) if tokens_per_page % p == 0), None)
+    size = next((p for p in (PAGE_SIZE, 32) if pages.page_rows % p == 0), None)
     if size is None:
-        raise Refused(f"continuous batching's pages of {tokens_per_page} tokens are not a multiple of trtllm-gen's "
+        raise Refused(f"continuous batching's pages of {pages.page_rows} tokens are not a multiple of trtllm-gen's "
                       "32 or 64 (ContinuousBatchingConfig(page_size=...))")
+    lens, offsets = rows.lens.long(), pages.offsets
     max_len = int(lens.max())
     token = offsets[:, None] + torch.arange(table_width(-(-max_len // size), size))[None, :] * size
     token = torch.minimum(token, (offsets + lens - 1)[:, None])  # past a request's pages: its last one (unread)
-    tables = (page_table[to_device(token, layer.device)] // size).to(torch.int32)
+    tables = (pages.typed(torch.long)[to_device(token, layer.device)] // size).to(torch.int32)
     counter = counter_buffer(lens.numel(), layer.heads, layer.device) if backend == "trtllm-gen" else None
-    return TrtllmMetadata(backend, tables, to_device(lens.to(torch.int32), layer.device), max_len, counter,
+    return TrtllmMetadata(backend, tables, to_device(rows.lens.to(torch.int32), layer.device), max_len, counter,
                           page_size=size)
 
 

@@ -3,7 +3,7 @@ scripts/dev/devkit_modules.py``.
 
 * The FP8 latent cache (``MLALatentCache(..., dtype=torch.float8_e4m3fn)``) runs fa3 with a bf16/fp16 query over an
   ``float8_e4m3fn`` latent, a module the default kit does not build.
-* Continuous batching's prefill chunks (``paged.py``) run FlashInfer's ragged prefill on fa3 with DeepSeek's
+* Continuous batching's prefill chunks (``paged_attention.py``) run FlashInfer's ragged prefill on fa3 with DeepSeek's
   expanded head dims (query/key 192, value 128), bf16. Its sources include cutlass's ``curand_kernel.h``: on a
   build machine whose CUDA toolkit lacks cuRAND's headers, copy them from PyPI's ``nvidia-curand`` wheel
   (``nvidia/cu13/include/curand*.h``) into ``/usr/local/cuda/include`` first.

@@ -20,7 +20,7 @@ import transformers
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_flashinfer_mla  # noqa: F401
-from hf_flashinfer_mla import capabilities, paged
+from hf_flashinfer_mla import capabilities, paged_attention
 from hf_flashinfer_mla.kernels import fa, ragged
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -55,8 +55,9 @@ def _mixed_step(heads, seed=0):
 
 def _run(backend, heads, case, scale):
     q_lens, k_lens, table, q_lat, q_pe, kv, rot = case
-    step = paged.PagedStep(q_lens, k_lens, int(q_lens.sum()))
-    route = paged._route(step, (DEV, torch.bfloat16, heads, 512, 64, scale, backend), table)
+    step = paged_attention.PagedStep(q_lens, k_lens, int(q_lens.sum()))
+    step.start(table, 0)
+    route = step.route(backend, step.layer_of(q_lat, kv, rot, scale), backend, False)
     assert route.backend == backend
     return route.run(q_lat, q_pe, kv, rot)
 
@@ -81,14 +82,14 @@ def test_paged_decode_kernel_against_reference(backend, heads, planner, monkeypa
 
 
 def _prefill(module, case, requested, scale):
-    """`paged._prefill` of one step (its decode requests left out) on `requested`'s prefill path."""
+    """`paged_attention._prefill` of one step (its decode requests left out) on `requested`'s prefill path."""
     from types import SimpleNamespace
 
     q_lens, k_lens, table, query, kv, rot = case
-    step = paged.PagedStep(q_lens, k_lens, int(q_lens.sum()))
+    step = paged_attention.PagedStep(q_lens, k_lens, int(q_lens.sum()))
     out = query.new_zeros(1, query.shape[2], query.shape[1], module.v_head_dim)
     cache = SimpleNamespace(prefill_wrappers=ragged.Wrappers())
-    paged._prefill(cache, step, step.decode, module, query, kv, rot, table, scale, requested, out)
+    paged_attention._prefill(cache, step, step.decode, module, query, kv, rot, table, scale, requested, out)
     return out, step
 
 

@@ -1,0 +1,217 @@
+"""Continuous batching's paged latent cache, inside Transformers' `PagedAttentionCache`.
+
+Transformers' continuous batching (``generate_batch``, ``init_continuous_batching``, ``transformers serve``) keeps
+every request's cache in one paged tensor. Up to 5.24 its full-attention allocator sizes a token as ``(2,
+num_key_value_heads, head_dim)``, per-head keys and values, while an MLA layer writes one latent row per token
+(``kv_lora_rank + rope`` values, 576 for DeepSeek): the first cache write fails and every request ends FAILED. 5.25
+adds an MLA allocator with the same rows (`MLACacheAllocator`), which gathers each step's rows and hands them to the
+model's own expansion. Here, on either version, `LatentAllocator` is Transformers' own full-attention allocator
+(block tables, read/write indices, prefix sharing, forks, offloading: all unchanged) over rows of ``kv_lora_rank +
+rope`` values, one row per token and layer. The cache is sized by Transformers' own memory handler, shown a
+`LatentSizing` view of the config in which a token is one "key-value head" of ``(rank + rope) / 2`` values, so
+that it counts exactly the latent's bytes (DeepSeek-V3: 576 values per token and layer instead of 2 x 128 x 64,
+28x more tokens in the same memory).
+
+The attention over these rows is ``paged_attention.py``; this module also holds what continuous batching refuses
+(`refuse_unservable`, `refuse_kept_cache`) and why it runs without CUDA graphs (`disable_graphs`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.generation.continuous_batching import cache as cb_cache
+from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, FullAttentionCacheAllocator
+from transformers.utils import logging
+
+from .errors import UnsupportedModelError
+from .kernels import ragged
+from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, checkpoint_model_type
+
+logger = logging.get_logger("hf_flashinfer_mla")
+
+_ALLOCATOR_ATTR = "_flashinfer_mla_paged"  # on the paged cache's root tensor: the `LatentAllocator` that owns it
+
+
+def uses_latent(config) -> bool:
+    """Whether Transformers' paged cache for `config` must hold the MLA latent (a dense MLA model on this package)."""
+    return getattr(config, "_attn_implementation", None) == ATTN_NAME and getattr(config, "kv_lora_rank", None)
+
+
+class LatentSizing:
+    """`config` as Transformers' paged cache should size it: one "key-value head" of ``ceil((rank + rope) / 2)``
+    values, so that its ``2 x heads x head_dim`` per token is the latent row (``rank + rope``, rounded up to even).
+    Every other attribute is the config's own."""
+
+    def __init__(self, config):
+        self._config = config
+        self.head_dim = -(-(config.kv_lora_rank + config.qk_rope_head_dim) // 2)
+        self.num_key_value_heads = 1
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+class LatentAllocator(FullAttentionCacheAllocator):
+    """Transformers' full-attention allocator with one row of ``kv_lora_rank + rope`` values per token and layer
+    (its pages hold ``page_size`` latent rows instead of ``page_size`` keys and ``page_size`` values). Only the row
+    layout and the update differ; indices, blocks and sharing are the parent's."""
+
+    rows_per_token = 1
+    # The decode fast path hands per-head K/V pages to flash_attn_with_kvcache; the latent has none.
+    supports_block_table = False
+
+    def __init__(self, index, config, num_key_value_heads, cache_dtype, page_size, layer_indices,
+                 allow_block_sharing):
+        super().__init__(index=index, config=config, num_key_value_heads=num_key_value_heads, cache_dtype=cache_dtype,
+                         page_size=page_size, layer_indices=layer_indices, allow_block_sharing=allow_block_sharing)
+        self.rank, self.rope = config.kv_lora_rank, config.qk_rope_head_dim
+        self.row_width = 2 * self.head_dim  # the sizing view's head_dim: rank + rope, rounded up to even
+        self.step = None  # the step being prepared or run (``paged_attention.PagedStep``)
+        self.prefill_wrappers = ragged.Wrappers()  # FlashInfer's ragged prefill, planned per step
+
+    def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
+        """Rows ``[total_rows, rank + rope]``; layer ``i``'s page of block ``b`` is rows ``b * tokens_per_block +
+        i * page_size + [0, page_size)``, so each layer gets a view shifted by ``i * page_size`` rows, in which
+        Transformers' indices (``block * tokens_per_block + offset``) address it directly."""
+        self.bytes_per_sector = bytes_per_sector
+        self._copy_view = cache_tensor.view(-1, self.bytes_per_block)
+        total_rows = ((non_trash_bytes + 2 * bytes_per_sector) // self.bytes_per_page) * self.tokens_per_page
+        typed = cache_tensor.view(self.cache_dtype)  # (a dtype view starts a new base: the root of every view below)
+        rows = typed[: total_rows * self.row_width].view(total_rows, self.row_width)
+        self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, rows, pool)
+        self._layer_rows = {layer: rows[i * self.tokens_per_page:] for i, layer in enumerate(self.layer_indices)}
+        # The views handed to the attention all have `typed` as their base: `allocator_of` finds the allocator there,
+        # through a weak reference (a strong one would be a cycle through the tensor's __dict__, which Python's
+        # collector does not break: every generate_batch() would keep its whole cache alive).
+        self._typed = typed
+        setattr(typed, _ALLOCATOR_ATTR, weakref.ref(self))
+
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):
+        """Write the new latent rows (``[T, 1, rank]``, ``[T, 1, rope]``) and hand back the layer's whole row views:
+        the attention reads them in place through the step's page table (no gather here)."""
+        rows = self._layer_rows[layer_idx]
+        lat, rot = rows[:, None, : self.rank], rows[:, None, self.rank : self.rank + self.rope]
+        lat.index_copy_(0, write_index, key_states)
+        rot.index_copy_(0, write_index, value_states)
+        return lat, rot
+
+    def get_cache_for_block_table(self, layer_idx):
+        raise NotImplementedError("the paged latent cache has no per-head K/V pages for flash_attn_with_kvcache")
+
+
+# Transformers 5.25+ builds MLA layers' pages with its own allocator, named in its cache module (None before).
+TRANSFORMERS_MLA_ALLOCATOR = getattr(cb_cache, "MLACacheAllocator", None)
+
+
+def latent_or(base: type) -> type:
+    """The allocator class Transformers' paged cache should build where it would build `base` (``registration.py``
+    puts it in place of `base`, once: in the module-level table for the full-attention allocator, and in place of
+    5.25's `MLACacheAllocator`): a `LatentAllocator` for a cache sized by `LatentSizing` (a dense MLA model on this
+    package), `base` itself for any other. One class, never swapped in and out, so caches built at the same time in
+    two threads each get theirs; its class attributes are `base`'s, as Transformers reads them."""
+
+    def __new__(cls, **kwargs):
+        latent = isinstance(kwargs.get("config"), LatentSizing)
+        return (LatentAllocator if latent else base)(**kwargs)
+
+    return type(f"LatentOr{base.__name__}", (base,), {"__new__": __new__, "__doc__": latent_or.__doc__})
+
+
+FullOrLatentAllocator = latent_or(FullAttentionCacheAllocator)
+MLAOrLatentAllocator = None if TRANSFORMERS_MLA_ALLOCATOR is None else latent_or(TRANSFORMERS_MLA_ALLOCATOR)
+
+
+def allocator_of(latent: torch.Tensor) -> LatentAllocator | None:
+    """The `LatentAllocator` whose rows `latent` views (continuous batching), None for any other cache's tensor."""
+    ref = None if latent._base is None else getattr(latent._base, _ALLOCATOR_ATTR, None)
+    return None if ref is None else ref()
+
+
+def build_paged_cache(original, cache, config, *args, **kwargs) -> None:
+    """``PagedAttentionCache.__init__`` for a dense MLA model on this package: Transformers' own construction and
+    memory sizing, shown the `LatentSizing` view, for which its full-attention allocator is a `LatentAllocator`."""
+    sizing = LatentSizing(config)
+    original(cache, sizing, *args, **kwargs)
+    per_head = 2 * cb_cache.find_num_key_value_heads(config) * cb_cache.find_head_dim(config)
+    logger.info(
+        f"flashinfer_mla: paged latent cache of {cache.num_blocks} blocks of {cache.cache_allocators[FULL_ATTENTION]}"
+        f".tokens_per_page tokens: {2 * sizing.head_dim} values per token and layer, where Transformers' per-head "
+        f"K/V would take {per_head} ({per_head / (2 * sizing.head_dim):.1f}x more tokens in the same memory)."
+    )
+
+
+def refuse_unservable(model) -> None:
+    """Raise, naming why and what to use, for a model continuous batching cannot serve with MLA attention (called
+    when the manager is created, in the caller's thread: never empty outputs from the background loop)."""
+    config = model.config.get_text_config(decoder=True)
+    model_type, impl = getattr(config, "model_type", None), config._attn_implementation
+    name = checkpoint_model_type(model_type)  # (as the user's config.json names it)
+    if model_type in SPARSE_MLA_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"continuous batching (generate_batch, init_continuous_batching, transformers serve) cannot serve "
+            f'model_type "{name}": its DeepSeek Sparse Attention reads an indexer-selected subset of the cache, which '
+            "Transformers' paged cache does not keep. Use generate()."
+        )
+    if model_type not in DENSE_MLA_MODEL_TYPES:
+        return  # not an MLA model: Transformers' own business
+    if impl != ATTN_NAME and TRANSFORMERS_MLA_ALLOCATOR is None:
+        raise UnsupportedModelError(
+            f'continuous batching cannot serve model_type "{name}" with attn_implementation={impl!r}: its layers '
+            "cache the MLA latent, which Transformers' paged cache (sized for per-head keys and values) cannot "
+            f'hold. Load it with attn_implementation="{ATTN_NAME}" (import hf_flashinfer_mla), or use generate().'
+        )
+    if impl != ATTN_NAME:
+        return  # Transformers 5.25+ pages the latent itself and expands it for eager/sdpa/flash
+    unknown = sorted(set(getattr(config, "layer_types", None) or ()) - {FULL_ATTENTION})
+    if unknown:
+        raise UnsupportedModelError(
+            f'continuous batching cannot serve model_type "{name}": its layers of type {", ".join(unknown)} '
+            "have no paged cache for the MLA latent (Transformers' continuous batching keeps full- and sliding-window "
+            "attention caches only, and this package gives latent rows to the full-attention ones). Use generate(), "
+            "which runs every layer type."
+        )
+    if getattr(model, "_device_mesh", None) is not None:
+        raise UnsupportedModelError(
+            f"continuous batching with {ATTN_NAME} under tensor parallelism is not supported: every rank would need "
+            "the whole latent, which Transformers' paged cache shards by key-value heads. Use generate()."
+        )
+
+
+def refuse_kept_cache(model, manager) -> None:
+    """Raise where a manager kept with ``persistent_manager=True`` holds a paged cache built for another attention
+    than the model's now: this package's latent rows read by eager/sdpa (Transformers' own attention would take the
+    layer's whole rows for the request's), or, from Transformers 5.25, Transformers' own MLA rows read by this
+    package's paged attention. Its next run would otherwise return wrong tokens or fail every request."""
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    if cache is None:
+        return
+    kept_latent = any(isinstance(a, LatentAllocator) for a in cache.cache_allocators.values())
+    if kept_latent == bool(uses_latent(model.config.get_text_config())):
+        return
+    built_for = ATTN_NAME if kept_latent else "another attention implementation"
+    raise UnsupportedModelError(
+        f"this model's kept continuous-batching manager (persistent_manager=True) holds a paged cache built for "
+        f"{built_for}, and the model now runs attn_implementation={model.config._attn_implementation!r}. Switch "
+        f'back (attn_implementation="{ATTN_NAME}" for the latent cache), or call model.destroy_cached_continuous_'
+        "batching_manager() (or generate_batch without persistent_manager) so that a new manager builds a cache "
+        "for the attention of the moment."
+    )
+
+
+def disable_graphs(cb_config) -> None:
+    """Continuous batching without CUDA graphs and without asynchronous batching, saying why once: a replayed graph
+    runs no Python, and the paged kernels are planned on the host from each step's lengths. Transformers turns
+    asynchronous batching on with the graphs (its default: on where graphs are); it would have the host plan a step
+    while the GPU may still be copying the previous step's schedule from FlashInfer's pinned host buffer, which each
+    ragged-prefill plan rewrites (`kernels/ragged.py`)."""
+    if any(cb_config.cuda_graph_booleans) or cb_config.use_async_batching:
+        logger.warning_once(
+            f"flashinfer_mla: continuous batching runs without CUDA graphs and without asynchronous batching for "
+            f"{ATTN_NAME} models: a replayed graph runs no Python, and FlashInfer's paged MLA kernels are planned on "
+            "the host from each step's lengths, after the previous step's."
+        )
+        cb_config.use_cuda_graph = (False, False)
+        cb_config.use_async_batching = False
+
