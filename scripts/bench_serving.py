@@ -5,6 +5,10 @@ Random weights (nothing is downloaded). `--requests` prompts of random lengths i
 
   cb-flashinfer_mla        model.init_continuous_batching() with attn_implementation="flashinfer_mla" (the paged
                            latent cache of hf_flashinfer_mla.paged), every request added at t0
+  cb-sdpa                  the same with attn_implementation="sdpa": Transformers' own paging of the MLA latent
+                           (its MLACacheAllocator, 5.25+; skipped before), its own defaults for CUDA graphs and
+                           asynchronous batching (5.25: both off for sdpa, which needs an attention mask); never
+                           switched to a flash attention
   generate-flashinfer_mla  generate() on left-padded static batches of --static-batch requests, one after the other
   generate-sdpa            the same with attn_implementation="sdpa"
   cb-flashinfer_mla-sdpa-prefill
@@ -12,7 +16,8 @@ Random weights (nothing is downloaded). `--requests` prompts of random lengths i
                            time, instead of FlashInfer's ragged prefill: the A/B of ``kernels/ragged.py``
 
 Reported per mode: total output tokens/s (all new tokens / wall time from t0), time to first token and inter-token
-latency (p50, p99; a static batch's requests wait for the batches before them), peak GPU memory.
+latency (p50, p99; a static batch's requests wait for the batches before them), peak GPU memory; for the cb modes
+also the attention, CUDA graphs (varlen, decode) and asynchronous batching the manager resolved.
 
     python scripts/bench_serving.py --model deepseek-v2-lite --out bench_out
     python scripts/bench_serving.py --model deepseek-v3-attn --out bench_out
@@ -31,7 +36,7 @@ import torch
 
 import bench_common as bc
 
-MODES = ("cb-flashinfer_mla", "generate-flashinfer_mla", "generate-sdpa")
+MODES = ("cb-flashinfer_mla", "cb-sdpa", "generate-flashinfer_mla", "generate-sdpa")
 AB_MODES = ("cb-flashinfer_mla-sdpa-prefill",)
 
 
@@ -54,9 +59,7 @@ def progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr)
 
 
-def run_cb(model, prompts, args, device, sdpa_prefill=False) -> dict:
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
+def run_cb(model, attn, prompts, args, device, sdpa_prefill=False) -> dict:
     from hf_flashinfer_mla.kernels import ragged
 
     # The A/B switch: with no head dims "supported", paged_attention.py prefills every chunk on SDPA (its fallback).
@@ -64,26 +67,32 @@ def run_cb(model, prompts, args, device, sdpa_prefill=False) -> dict:
     if sdpa_prefill:
         ragged.supported_dims = lambda qk, vo: False
     try:
-        return _run_cb(model, prompts, args, device)
+        return _run_cb(model, attn, prompts, args, device)
     finally:
         ragged.supported_dims = supported
 
 
-def _run_cb(model, prompts, args, device) -> dict:
+def _run_cb(model, attn, prompts, args, device) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    model.set_attn_implementation("flashinfer_mla")
+    model.set_attn_implementation(attn)
     gen = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # Graphs and asynchronous batching stay Transformers' choice for the attention at hand (recorded below). Its
+    # default switch from sdpa to an installed flash attention is off: cb-sdpa must measure sdpa.
     cb = ContinuousBatchingConfig(page_size=args.cb_page_size, max_batch_tokens=args.cb_max_batch_tokens,
-                                  max_memory_percent=args.cb_memory, num_blocks=args.cb_num_blocks)
+                                  max_memory_percent=args.cb_memory, num_blocks=args.cb_num_blocks,
+                                  auto_switch_to_flash=False)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    resolved = manager.continuous_batching_config
+    setup = {"attn_implementation": model.config._attn_implementation,
+             "cuda_graphs": list(resolved.cuda_graph_booleans), "async_batching": bool(resolved.use_async_batching)}
     manager.start()
     ttft, itl, tokens = [], [], 0
     try:
         t0 = time.perf_counter()
         ids = [manager.add_request(p, max_new_tokens=args.new, record_timestamps=True) for p in prompts]
         pending = set(ids)
-        with progress(len(ids), "continuous batching", args.progress) as bar:
+        with progress(len(ids), f"cb-{attn}", args.progress) as bar:
             while pending:
                 out = manager.get_result(timeout=1)
                 if out is None:
@@ -105,8 +114,10 @@ def _run_cb(model, prompts, args, device) -> dict:
         wall = time.perf_counter() - t0
     finally:
         manager.stop(block=True, timeout=60)
+        # Nothing kept on the model: the next cb mode builds its own manager, and with it a paged cache laid out for
+        # its attention (flashinfer_mla's latent rows and Transformers' MLA rows are not interchangeable).
         model.destroy_cached_continuous_batching_manager()
-    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl}
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl, "setup": setup}
 
 
 class StepTimes:
@@ -149,15 +160,33 @@ def run_static(model, attn, prompts, args, device) -> dict:
     return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl}
 
 
+def unpageable(attn: str) -> str | None:
+    """Why Transformers' continuous batching cannot page the MLA latent for `attn` (None: it can). Up to 5.24 only
+    this package's allocator holds it; 5.25 adds its own for eager/sdpa/flash."""
+    import transformers
+
+    from hf_flashinfer_mla import paged
+
+    if attn == "flashinfer_mla" or paged.TRANSFORMERS_MLA_ALLOCATOR is not None:
+        return None
+    return f"Transformers {transformers.__version__} cannot page an MLA model's cache for {attn} (5.25+ can)"
+
+
 def run(mode, model, prompts, args, device) -> dict:
     rec = {"mode": mode, "status": "ok"}
+    kind, attn = mode.split("-", 1)
+    prefill_ab = attn.endswith("-sdpa-prefill")
+    attn = attn.removesuffix("-sdpa-prefill")
+    why = unpageable(attn) if kind == "cb" else None
+    if why:
+        return {**rec, "status": "skipped", "message": why}
     bc.free_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        kind, attn = mode.split("-", 1)
         if kind == "cb":
-            got = run_cb(model, prompts, args, device, sdpa_prefill=attn.endswith("-sdpa-prefill"))
+            got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab)
+            rec.update(got["setup"])
         else:
             got = run_static(model, attn, prompts, args, device)
         rec.update(
@@ -217,6 +246,7 @@ def main(argv=None) -> int:
         rec = run(mode, model, prompts, args, device)
         payload["results"].append(rec)
         shown = f"{rec['tokens_per_s']:.1f} tok/s" if rec["status"] == "ok" else rec["status"]
+        shown += f": {rec['message']}" if rec.get("message") else ""
         print(f"  {args.model} {mode}: {shown}", flush=True)
         bc.write_json(args.out, name, payload)
     rows = []

@@ -161,8 +161,8 @@ mode_serving() {
 }
 
 mode_serving_v3() {
-  run 400 python3 scripts/bench_serving.py --model deepseek-v3-attn --no-progress --out "$D" \
-    --modes cb-flashinfer_mla cb-flashinfer_mla-sdpa-prefill generate-flashinfer_mla generate-sdpa
+  run 540 python3 scripts/bench_serving.py --model deepseek-v3-attn --no-progress --out "$D" \
+    --modes cb-flashinfer_mla cb-sdpa cb-flashinfer_mla-sdpa-prefill generate-flashinfer_mla generate-sdpa
   show 20
 }
 
