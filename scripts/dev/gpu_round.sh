@@ -19,6 +19,8 @@
 #   bash scripts/dev/gpu_round.sh depth        # the same 32 x 4k generate() cell at DeepSeek-V3's 61 layers
 #   bash scripts/dev/gpu_round.sh serving      # 256 requests at once, DeepSeek-V2-Lite: continuous batching against
 #                                              # static generate() batches (bench_serving.py)
+#   bash scripts/dev/gpu_round.sh serving-cb   # continuous batching against Transformers' own (sdpa over its paged
+#                                              # MLA cache), DeepSeek-V2-Lite and the V3 shape, 256 and 16 requests
 #   bash scripts/dev/gpu_round.sh serving-v3   # the same on the V3 attention shape, with the SDPA-prefill A/B
 #   bash scripts/dev/gpu_round.sh sparse       # DeepSeek-V3.2's attention with its indexer: the eager-mode grid,
 #                                              # batch 1/8/32 x 8k-128k, then 160k at batch 32
@@ -31,7 +33,7 @@
 #                                              # sparse fp8)
 #
 # A round on the device tool, one call per line: `suite host`, `grid kernel`, `generate`, `depth`, then as the
-# budget allows `serving`, `serving-v3`, `sparse`, `fp8`; `tp` and `tp-bench` on nvidia-h200-x2.
+# budget allows `serving`, `serving-cb`, `serving-v3`, `sparse`, `fp8`; `tp` and `tp-bench` on nvidia-h200-x2.
 #
 # Output: ${OUT:-bench_out}/env.txt (date, GPU, driver, CPU, versions, commit, modes), and per mode a folder with
 # <mode>.log (every command, then its output) and the scripts' JSON. PACK=1 packs them all into one
@@ -66,7 +68,7 @@ devkit() {
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
-MODES="suite host grid kernel generate depth serving serving-v3 sparse fp8 tp tp-bench bench"
+MODES="suite host grid kernel generate depth serving serving-cb serving-v3 sparse fp8 tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
   case " $MODES " in *" $m "*) ;; *) echo "gpu_round.sh: unknown mode '$m' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -158,6 +160,17 @@ mode_depth() {
 mode_serving() {
   run 540 python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D"
   show 20
+}
+
+mode_serving_cb() {
+  local m
+  for m in deepseek-v2-lite deepseek-v3-attn; do
+    run 170 python3 scripts/bench_serving.py --model $m --no-progress --out "$D" --modes cb-flashinfer_mla cb-sdpa \
+      --name "serving_cb_${m}_256.json"
+    run 100 python3 scripts/bench_serving.py --model $m --requests 16 --no-progress --out "$D" \
+      --modes cb-flashinfer_mla cb-sdpa --name "serving_cb_${m}_16.json"
+  done
+  show 40
 }
 
 mode_serving_v3() {
