@@ -587,7 +587,7 @@ def test_cuda_graphs_handed_the_callers_own_4d_masks_match_uncompiled(monkeypatc
     Control: with a rule under which every graph handed a mask takes the slots, the replays run on the captured
     step's schedule and the logits part from the uncompiled run's."""
     _available("fa3")
-    from hf_flashinfer_mla import attention
+    from hf_flashinfer_mla import decode
 
     model = _model("v3")
     model.set_attn_implementation("flashinfer_mla")
@@ -596,7 +596,7 @@ def test_cuda_graphs_handed_the_callers_own_4d_masks_match_uncompiled(monkeypatc
     for rule in ("mask function", "any mask"):
         torch._dynamo.reset()
         if rule == "any mask":
-            monkeypatch.setattr(attention, "mask_planned_outside_graph", lambda: True)
+            monkeypatch.setattr(decode, "mask_planned_outside_graph", lambda: True)
         graphed = _teacher_forced_own_masks(model, torch.compile(model.forward, mode="reduce-overhead"))
         results[rule] = _compare(graphed, plain)
         print(f"cuda graphs, the caller's 4D masks, {rule}: rel err {results[rule][0]:.2e}, top-1 "

@@ -115,7 +115,7 @@ def test_ragged_prefill_against_sdpa(heads, grouped, monkeypatch):
     scale = 192**-0.5
     ref, _ = _prefill(module, case, "reference", scale)
     out, step = _prefill(module, case, "fa3", scale)
-    groups = next(v for k, v in step.routes.items() if k[0] == "prefill")
+    (groups,) = step.prefill_groups.values()
     assert len(groups) == (4 if grouped else 1), "the ragged prefill did not plan"
     prefill_tokens = torch.cat([torch.arange(int(a), int(a + n)) for a, n in zip(step.cu_q, q_lens) if n > 1])
     err = rel(out[:, prefill_tokens], ref[:, prefill_tokens])
