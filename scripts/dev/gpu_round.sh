@@ -163,12 +163,13 @@ mode_serving() {
 }
 
 mode_serving_cb() {
-  local m
-  for m in deepseek-v2-lite deepseek-v3-attn; do
-    run 170 python3 scripts/bench_serving.py --model $m --no-progress --out "$D" --modes cb-flashinfer_mla cb-sdpa \
-      --name "serving_cb_${m}_256.json"
-    run 100 python3 scripts/bench_serving.py --model $m --requests 16 --no-progress --out "$D" \
+  local m limits=(deepseek-v2-lite 70 150 deepseek-v3-attn 50 110) i
+  for i in 0 3; do
+    m=${limits[$i]}
+    run "${limits[$((i + 1))]}" python3 scripts/bench_serving.py --model $m --requests 16 --no-progress --out "$D" \
       --modes cb-flashinfer_mla cb-sdpa --name "serving_cb_${m}_16.json"
+    run "${limits[$((i + 2))]}" python3 scripts/bench_serving.py --model $m --no-progress --out "$D" \
+      --modes cb-flashinfer_mla cb-sdpa --name "serving_cb_${m}_256.json"
   done
   show 40
 }
