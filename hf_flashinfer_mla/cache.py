@@ -322,7 +322,7 @@ class MLAStaticLayer(StaticLayer):
     """A `StaticLayer` whose latent and rotary key share one packed ``[B, 1, capacity, L + R]`` buffer (the
     capacity rounded up to `ROUND_TOKENS`): the paged layout trtllm-gen reads, so that ``generate(...,
     cache_implementation="static")``'s CUDA graphs run trtllm-gen on Blackwell. ``generate()`` builds its static
-    cache with these layers for ``flashinfer_mla`` models on SM100/SM103 (``registration.py``)."""
+    cache with these layers for ``flashinfer_mla`` models on SM100/SM103 (``generation.py``)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, rank = key_states.device, key_states.shape[-1]
@@ -452,3 +452,21 @@ class MLALatentCache(DynamicCache):
                     "the model's own config: MLALatentCache(model.config)."
                 )
         self._checked.add(layer_idx)
+
+
+# Seam (``registration.py``): Transformers' DynamicCache, built from a config, knows nothing of this package's layers
+def latent_layers_for_mla(original):
+    # Transformers' DynamicLayer concatenates, copying a layer's whole history on every decode step, and on Blackwell
+    # trtllm-gen reads only the packed latent. So a `DynamicCache(config=...)` built for a flashinfer_mla model gets
+    # `MLALatentLayer`s (the same content, grown in place, in the layout this device's kernel reads) wherever it is
+    # built: by generate(), by the model's forward when it is called without a cache (a loop of the user's own,
+    # classifier-free guidance's own forward), or by the user. Subclasses (MLALatentCache, QuantizedCache) and caches
+    # built from data keep their own layers.
+    @functools.wraps(original)
+    def __init__(self, ddp_cache_data=None, config=None, *args, **kwargs):
+        original(self, ddp_cache_data, config, *args, **kwargs)
+        if (type(self) is DynamicCache and ddp_cache_data is None and config is not None
+                and config.get_text_config(decoder=True)._attn_implementation == ATTN_NAME):
+            adopt_latent_layers(self)
+
+    return __init__

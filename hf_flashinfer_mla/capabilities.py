@@ -39,8 +39,9 @@ BACKENDS = ("auto", "reference", "fa3", "fa2", "trtllm-gen", "cute-dsl")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_DIMS = (512, 64)  # (kv_lora_rank, qk_rope_head_dim) the FlashInfer MLA kernels are built for
 BLACKWELL = ((10, 0), (10, 3))
+ATTN_NAME = "flashinfer_mla"  # the attention implementation's name in Transformers' registries
 # Where the load option lives on a loaded model's config: a private attribute that `save_pretrained` drops
-# (registration.py), so that a checkpoint never carries it.
+# (`load_option_not_saved`), so that a checkpoint never carries it.
 LOAD_ATTR = "_flashinfer_mla_backend"
 
 
@@ -198,3 +199,53 @@ def fallbacks(backend: str, device: torch.device, dtype: torch.dtype, kv_lora_ra
     if backend != "reference":
         chain.append("reference")
     return tuple(chain)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Seams (``registration.py``): where Transformers takes and validates the ``mla_backend`` options
+# ------------------------------------------------------------------------------------------------------------------
+def with_load_option(original):
+    """`from_pretrained` / `_from_config` (which every ``from_config`` reaches) with an ``mla_backend=`` keyword,
+    validated at the call and kept on the loaded model's text config (`LOAD_ATTR`)."""
+    original = original.__func__  # (a bound classmethod)
+
+    @functools.wraps(original)
+    def load(cls, *args, mla_backend: str | None = None, **kwargs):
+        if mla_backend is not None:
+            validate_backend(mla_backend, f"{original.__name__.lstrip('_')}(mla_backend=...)")
+        loaded = original(cls, *args, **kwargs)
+        if mla_backend is not None:
+            model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True gives a tuple
+            setattr(model.config.get_text_config(decoder=True), LOAD_ATTR, mla_backend)
+        return loaded
+
+    return classmethod(load)
+
+
+def load_option_not_saved(original):
+    """`PreTrainedConfig.to_dict` without the load option: a runtime setting of one loaded model must not reach
+    config.json (nor the generation config, nor a config's repr), all of which are built from it."""
+
+    @functools.wraps(original)
+    def to_dict(self):
+        output = original(self)
+        output.pop(LOAD_ATTR, None)
+        return output
+
+    return to_dict
+
+
+def generate_option_validated(original):
+    """`GenerationMixin._validate_model_kwargs` with ``mla_backend=``: generate() checks its model keywords there,
+    before anything runs, the place to refuse an unknown backend even when no decode step follows. The keyword
+    itself is forwarded to every attention call by the model's forward."""
+
+    @functools.wraps(original)
+    def _validate_model_kwargs(self, model_kwargs):
+        value = model_kwargs.pop("mla_backend", None)  # generate() hands over a copy
+        text_config = self.config.get_text_config(decoder=True)
+        if value is not None or text_config._attn_implementation == ATTN_NAME:
+            requested_backend(value, text_config)
+        return original(self, model_kwargs)
+
+    return _validate_model_kwargs

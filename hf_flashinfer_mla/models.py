@@ -18,11 +18,19 @@ import importlib
 import inspect
 
 from torch import nn
+from transformers import PreTrainedConfig
+from transformers.utils import logging
 
 from .absorption import forget_views
+from .capabilities import ATTN_NAME, requested_backend
 from .errors import UnsupportedModelError
 
-ATTN_NAME = "flashinfer_mla"
+try:  # (Transformers' multi-token prediction, `generate(use_mtp=True)`; absent before it)
+    from transformers.modeling_layers import MtpModel
+except ImportError:
+    MtpModel = None
+
+logger = logging.get_logger("hf_flashinfer_mla")
 
 # Dense MLA model types: their attention classes call `expand_kv` and then the attention interface with the
 # standard arguments, so absorbing `kv_b_proj` into the query is exact.
@@ -162,3 +170,61 @@ def install_latent_hook(model_class: type) -> list[type]:
             f"Supported model types: {_supported_list()}."
         )
     return hooked
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Seam (``registration.py``): Transformers has no hook to validate a custom attention name against a model
+# ------------------------------------------------------------------------------------------------------------------
+def _text_config_key(config, text_config) -> str:
+    return next((key for key in config.sub_configs if getattr(config, key, None) is text_config), "text_config")
+
+
+def _adopt(model: PreTrainedModel, is_init_check: bool, original) -> str:
+    """The attention implementation `model` gets when ``"flashinfer_mla"`` is asked for, or an error saying why not.
+
+    A causal LM over MLA (dense or sparse) gets it (with its ``expand_kv`` hooked). A multimodal model whose text
+    model is MLA gets it on the text model only: at load time the name, which Transformers has spread over every
+    sub-config, is kept on the text config and taken off the others (vision towers and the like get Transformers'
+    default, as does the wrapper model itself); the text model's own check then hooks it. After loading, Transformers would hand
+    the name to every sub-model unchecked, so there the text model must be named explicitly.
+    """
+    text_config = check_model_supported(model.config)
+    requested_backend(None, text_config)  # an unknown $HF_FLASHINFER_MLA_BACKEND fails at load, not at the first step
+    if text_config is model.config:
+        if MtpModel is not None and isinstance(model, MtpModel):
+            # (its layers are the main model's decoder layers, built on the main model's config: the main model's
+            # check hooked their attention class; MtpModel's own module defines none)
+            return ATTN_NAME
+        install_latent_hook(type(model))
+        return ATTN_NAME
+    key = _text_config_key(model.config, text_config)
+    if not is_init_check:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is multimodal: {ATTN_NAME} can run its text model ({text_config.model_type}) "
+            f"only. Call model.set_attn_implementation({{{key!r}: {ATTN_NAME!r}}}) to switch the text model alone."
+        )
+    configs = [model.config]
+    while configs:
+        config = configs.pop()
+        for sub in (getattr(config, k, None) for k in config.sub_configs):
+            if isinstance(sub, PreTrainedConfig) and sub is not text_config:
+                if sub._attn_implementation == ATTN_NAME:
+                    sub._attn_implementation_internal = None  # Transformers' default for this sub-model
+                configs.append(sub)
+    text_config._attn_implementation_internal = ATTN_NAME
+    logger.info(f"{type(model).__name__}: {ATTN_NAME} runs the text model ({key}); other parts keep the default.")
+    return original(model, None, is_init_check)
+
+
+def checked_implementation(original):
+    # Wraps both `_check_and_adjust_attn_implementation` (from_pretrained, from_config, set_attn_implementation; from
+    # 5.25 also sub-models) and `get_correct_attn_implementation`, through which `set_attn_implementation` sets
+    # sub-models (a multimodal model's text model) up to 5.24: without the check there, the text model would run
+    # flashinfer_mla with expand_kv unhooked.
+    @functools.wraps(original)
+    def check(self, attn_implementation, is_init_check=False, **kwargs):
+        if attn_implementation != ATTN_NAME:
+            return original(self, attn_implementation, is_init_check, **kwargs)
+        return _adopt(self, is_init_check, functools.partial(original, **kwargs))
+
+    return check

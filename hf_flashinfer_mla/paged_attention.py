@@ -16,6 +16,8 @@ Under continuous batching the attention function receives every request's query 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
@@ -97,7 +99,7 @@ class PagedStep(Routing):
 
 
 def prepare_step(cache, requests, tokens: int) -> None:
-    """Hand the batch Transformers just prepared to the cache's latent allocator (``registration.py`` calls this
+    """Hand the batch Transformers just prepared to the cache's latent allocator (its seam, `paged_steps`, calls this
     after ``ContinuousBatchingIOs.prepare_batch_tensors``)."""
     for allocator in cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
@@ -195,3 +197,16 @@ def _prefill_groups(allocator, step: PagedStep, pending: list[int], module, quer
                             f"time ({str(exc)[:200]})")
         return []
     return groups
+
+
+# Seam (``registration.py``): where Transformers has laid out a batch on the host
+def paged_steps(original):
+    # The attention receives only device tensors (cu_seq_lens, read indices); reading their lengths would wait for
+    # the GPU. Here, where Transformers has just laid out the batch on the host, its lengths go to the latent
+    # allocator, so every layer of the step plans its kernels without a sync.
+    @functools.wraps(original)
+    def prepare_batch_tensors(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        prepare_step(self.cache, self.requests_in_batch, self.num_q_tokens)
+
+    return prepare_batch_tensors

@@ -18,6 +18,7 @@ The attention over these rows is ``paged_attention.py``; this module also holds 
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -105,6 +106,7 @@ class LatentAllocator(FullAttentionCacheAllocator):
 TRANSFORMERS_MLA_ALLOCATOR = getattr(cb_cache, "MLACacheAllocator", None)
 
 
+@functools.cache  # (one class per base: the table's entry is the module's `FullOrLatentAllocator` itself)
 def latent_or(base: type) -> type:
     """The allocator class Transformers' paged cache should build where it would build `base` (``registration.py``
     puts it in place of `base`, once: in the module-level table for the full-attention allocator, and in place of
@@ -215,3 +217,51 @@ def disable_graphs(cb_config) -> None:
         cb_config.use_cuda_graph = (False, False)
         cb_config.use_async_batching = False
 
+
+# ------------------------------------------------------------------------------------------------------------------
+# Seams (``registration.py``): the manager and the paged cache, where Transformers offers no hook
+# ------------------------------------------------------------------------------------------------------------------
+def manager_checked(original):
+    # The manager is built in the caller's thread, before the background loop: the one place where a model continuous
+    # batching cannot serve can raise (the loop turns any error into FAILED requests with empty outputs). It keeps
+    # "flashinfer_mla" as a flash implementation (the name contains "flash") and so turns CUDA graphs on, which the
+    # host-planned paged kernels cannot replay: they are turned off here, with one log line saying why.
+    @functools.wraps(original)
+    def __init__(self, model, *args, **kwargs):
+        refuse_unservable(model)
+        original(self, model, *args, **kwargs)
+        if uses_latent(self.model.config.get_text_config()):
+            disable_graphs(self.continuous_batching_config)
+
+    return __init__
+
+
+def cached_manager_checked(original):
+    # A manager kept with persistent_manager=True is handed out again without being built, so its check never runs
+    # again: a model switched to another attention since (eager, sdpa) would read the cached latent rows as per-head
+    # keys and values and return wrong tokens. The check runs here too.
+    # The manager also keeps its paged cache, built for the attention of its first run: from 5.25, where eager and
+    # sdpa page the latent too, that is checked as well (refuse_kept_cache).
+    @functools.wraps(original)
+    def init_continuous_batching(self, *args, **kwargs):
+        manager = getattr(self, "_cached_continuous_batching_manager", None)
+        if manager is not None:
+            refuse_unservable(self)
+            refuse_kept_cache(self, manager)
+        return original(self, *args, **kwargs)
+
+    return init_continuous_batching
+
+
+def latent_paged_cache(original):
+    # PagedAttentionCache picks its allocator from a module-level table and sizes tokens from the config's head_dim
+    # and key-value heads: per-head K/V rows, which the MLA latent does not fit. For flashinfer_mla models it is built
+    # by Transformers' own code with a config view that sizes latent rows, for which the table's full-attention
+    # allocator (`latent_or`, put there once) builds latent rows.
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        if not uses_latent(config):
+            return original(self, config, *args, **kwargs)
+        return build_paged_cache(original, self, config, *args, **kwargs)
+
+    return __init__

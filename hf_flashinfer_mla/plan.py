@@ -210,7 +210,7 @@ class StepPlan(Routing):
         """Reload every CUDA-graph slot of this step's shape with its metadata, before a compiled step may replay
         (called by the mask function, outside the compiled region: a replay runs no Python). A slot whose kernel
         cannot serve this step is recorded, and raises only where a replay is known to follow (`replaying`:
-        generate()'s compiled step, ``registration.py``), so an uncompiled step of the same shape still runs."""
+        generate()'s compiled step, ``generation.py``), so an uncompiled step of the same shape still runs."""
         for key, slot in graphs.slots_for(self.batch_size, self.q_len, self.kv_len):
             try:
                 self._load(key, slot)

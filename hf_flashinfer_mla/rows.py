@@ -6,7 +6,7 @@ host. Reading them off the step's mask costs a device-to-host copy, a sync that 
 caught up (`Rows.from_mask`). Inside ``generate()`` the sync is not needed: after the prompt, Transformers only
 appends ones to the 2D padding mask, so a row's visible positions are ``[first_b, W)``, with ``first_b`` (its
 left padding) fixed for the call and ``W`` (the mask's width) a host integer. `GrowingMask` records that on the 2D
-mask it describes, and ``generate()``'s mask update hands it on to the next, wider mask (``registration.py``);
+mask it describes, and ``generate()``'s mask update hands it on to the next, wider mask (``generation.py``);
 any other mask (a loop of the user's own, a logits processor's second model, classifier-free guidance's own
 forward) carries none and is read exactly.
 """

@@ -9,7 +9,7 @@ step adds a token, from ``context`` tokens on; the cache is cropped back after e
 ``--graphs`` gives all a ``StaticCache`` and compiles the step with CUDA graphs, as
 ``generate(..., cache_implementation="static")`` does. ``--stop-check deferred`` adds a row per cell whose host
 waits for the step before instead of each step, as Transformers' ``DeferredStopCheck`` makes ``generate()`` wait
-(for flashinfer_mla models on CUDA, ``registration.py``; for other implementations on MPS only): what each step
+(for flashinfer_mla models on CUDA, ``generation.py``; for other implementations on MPS only): what each step
 costs when the host builds it while the GPU runs the previous one.
 
 Reported per cell: ms per step (median), tokens/s, the host's share (time until the step was enqueued), transient

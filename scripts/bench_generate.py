@@ -16,7 +16,7 @@ times for ``--new`` tokens and for 1 token; reported (medians):
 ``--stop-check every late`` runs flashinfer_mla once per mode (other implementations once, as Transformers runs
 them): ``every`` with ``HF_FLASHINFER_MLA_DEFER_STOP=0``, the host reading generate()'s stop condition after each
 step; ``late`` as the package runs it (with a Transformers that has ``DeferredStopCheck``: 5.24, 5.25), a step late
-(``registration.py``), so the host queues the next step while the GPU runs this one. Both modes of one
+(``generation.py``), so the host queues the next step while the GPU runs this one. Both modes of one
 implementation share its compiled step.
 
 ``--cache new kept`` (with ``--static``) runs each cell once per static-cache mode, sharing the compiled step too:
@@ -109,7 +109,7 @@ def counted_captures():
         graph.capture_end = real
 
 
-DEFER_STOP_ENV = "HF_FLASHINFER_MLA_DEFER_STOP"  # (hf_flashinfer_mla.registration's; read at every generate())
+DEFER_STOP_ENV = "HF_FLASHINFER_MLA_DEFER_STOP"  # (hf_flashinfer_mla.generation's; read at every generate())
 
 
 @contextlib.contextmanager

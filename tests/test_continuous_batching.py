@@ -242,7 +242,7 @@ def test_forward_without_prepared_step_reads_lengths(monkeypatch):
     model = make_model("deepseek_v3", dtype=torch.float32)
     batch = prompts((5, 3, 8))
     read = []
-    monkeypatch.setattr(paged_attention, "prepare_step", lambda *a, **k: None)  # registration.py calls it through the module
+    monkeypatch.setattr(paged_attention, "prepare_step", lambda *a, **k: None)  # (its seam calls it through the module)
     original = paged_attention.PagedStep.from_kwargs
     monkeypatch.setattr(paged_attention.PagedStep, "from_kwargs", staticmethod(lambda *a: read.append(1) or original(*a)))
     out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())

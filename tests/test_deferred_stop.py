@@ -1,4 +1,4 @@
-"""generate() reading its stop condition a step late, on CUDA, for flashinfer_mla models (``registration.py``).
+"""generate() reading its stop condition a step late, on CUDA, for flashinfer_mla models (``generation.py``).
 
 Transformers' `DeferredStopCheck` (5.24 and 5.25 have it) reads "have all rows stopped?" one step late, so the host
 queues the next step instead of waiting for the GPU; when every row has stopped it has run one forward too many, and
@@ -22,9 +22,9 @@ from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
-from hf_flashinfer_mla import registration
+from hf_flashinfer_mla import generation
 
-DeferredStopCheck = registration.DeferredStopCheck
+DeferredStopCheck = generation.DeferredStopCheck
 pytestmark = pytest.mark.skipif(DeferredStopCheck is None, reason="this Transformers checks every step")
 
 MAX_NEW = 10
@@ -51,9 +51,9 @@ class HostEvent:
 def late_stop_on_cpu(monkeypatch):
     """The CUDA path, on the CPU. Returns the number of steps each deferred generate() undid, one entry per call
     (a call that checked every step adds none)."""
-    monkeypatch.setattr(registration, "DEFERRED_STOP_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(generation, "DEFERRED_STOP_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(torch, "Event", HostEvent)
-    monkeypatch.delenv(registration.DEFER_STOP_ENV, raising=False)
+    monkeypatch.delenv(generation.DEFER_STOP_ENV, raising=False)
     undone, finish = [], DeferredStopCheck.finish
 
     def counted(self):
@@ -65,7 +65,7 @@ def late_stop_on_cpu(monkeypatch):
 
 
 def test_a_step_late_on_cuda_for_caches_generate_prepared_for_flashinfer_mla(monkeypatch):
-    monkeypatch.delenv(registration.DEFER_STOP_ENV, raising=False)
+    monkeypatch.delenv(generation.DEFER_STOP_ENV, raising=False)
     model = make_model("deepseek_v3")
     ids, mask, _ = left_padded_batch()
     ours = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True).cache
@@ -75,11 +75,11 @@ def test_a_step_late_on_cuda_for_caches_generate_prepared_for_flashinfer_mla(mon
         assert DeferredStopCheck.is_supported(CUDA, cache, cache_is_returned=True, is_assistant=False)
         assert not DeferredStopCheck.is_supported(CUDA, cache, cache_is_returned=True, is_assistant=True)
         assert not DeferredStopCheck.is_supported(torch.device("cpu"), cache, True, False)
-    monkeypatch.setenv(registration.DEFER_STOP_ENV, "0")
+    monkeypatch.setenv(generation.DEFER_STOP_ENV, "0")
     assert not DeferredStopCheck.is_supported(CUDA, ours, True, False)
-    monkeypatch.delenv(registration.DEFER_STOP_ENV)
+    monkeypatch.delenv(generation.DEFER_STOP_ENV)
     # A returned cache must be able to undo the extra step (Transformers' rule); one that is dropped need not.
-    uncroppable = SimpleNamespace(is_croppable=False, **{registration.DEFERS_STOP: True})
+    uncroppable = SimpleNamespace(is_croppable=False, **{generation.DEFERS_STOP: True})
     assert not DeferredStopCheck.is_supported(CUDA, uncroppable, cache_is_returned=True, is_assistant=False)
     assert DeferredStopCheck.is_supported(CUDA, uncroppable, cache_is_returned=False, is_assistant=False)
     # Another attention's caches keep Transformers' rule: MPS only. The mark follows the latest generate() call.
@@ -192,11 +192,11 @@ def test_a_static_cache_of_the_users_own_kept_across_calls_matches_eager(late_st
 def test_a_step_late_is_off_with_the_environment_variable(late_stop_on_cpu, monkeypatch):
     model = make_model("deepseek_v3", dtype=torch.float32)
     ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
-    monkeypatch.setenv(registration.DEFER_STOP_ENV, "0")
+    monkeypatch.setenv(generation.DEFER_STOP_ENV, "0")
     eos = every_row_stops_early(model, ids, mask)
     off, off_recorder = stop_at_eos(model, ids, mask, eos)
     assert late_stop_on_cpu == []
-    monkeypatch.delenv(registration.DEFER_STOP_ENV)
+    monkeypatch.delenv(generation.DEFER_STOP_ENV)
     on, on_recorder = stop_at_eos(model, ids, mask, eos)
     assert late_stop_on_cpu == [1] and on_recorder.calls == off_recorder.calls + 1
     assert torch.equal(on.sequences, off.sequences)
@@ -210,7 +210,7 @@ def test_generation_modes_a_step_late_on_the_kernel_match_checking_every_step(fa
     a plan made for the wrong step shows): a step late, and checking every step, give the same outputs."""
     late = generation_mode(mode)
     assert late_stop_on_cpu, "the stop check ran a step late"
-    monkeypatch.setenv(registration.DEFER_STOP_ENV, "0")
+    monkeypatch.setenv(generation.DEFER_STOP_ENV, "0")
     calls = len(late_stop_on_cpu)
     every = generation_mode(mode)
     assert len(late_stop_on_cpu) == calls
@@ -224,11 +224,11 @@ def test_every_family_stopping_at_eos_a_step_late_continues_as_checking_every_st
     and the returned caches continue alike."""
     model = make_model(model_type)
     ids, mask, _ = left_padded_batch(lengths=(7, 4, 9))
-    monkeypatch.setenv(registration.DEFER_STOP_ENV, "0")
+    monkeypatch.setenv(generation.DEFER_STOP_ENV, "0")
     eos = every_row_stops_early(model, ids, mask)
     runs = []
     for defer in ("0", "1"):
-        monkeypatch.setenv(registration.DEFER_STOP_ENV, defer)
+        monkeypatch.setenv(generation.DEFER_STOP_ENV, defer)
         out, _ = stop_at_eos(model, ids, mask, eos)
         more = torch.ones(ids.shape[0], out.sequences.shape[1] - ids.shape[1], dtype=mask.dtype)
         again = model.generate(input_ids=out.sequences, attention_mask=torch.cat([mask, more], -1), cache=out.cache,

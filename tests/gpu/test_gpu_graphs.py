@@ -298,14 +298,14 @@ def test_reset_frees_the_graph_buffers_and_generate_compiles_again():
 def test_generate_reading_its_stop_condition_a_step_late_matches_checking_every_step(monkeypatch,
                                                                                      cache_implementation):
     """generate() reads "have all rows stopped?" a step late on CUDA for flashinfer_mla models
-    (``registration.py``; ``tests/test_deferred_stop.py`` on the CPU), so the host queues step t + 1, and plans step
+    (``generation.py``; ``tests/test_deferred_stop.py`` on the CPU), so the host queues step t + 1, and plans step
     t + 2, while the GPU still runs step t. A left-padded batch whose rows all stop at eos before max_new_tokens,
     compiled with CUDA graphs (static) or not (dynamic), on fa3: the same tokens and logits as with
     ``$HF_FLASHINFER_MLA_DEFER_STOP=0`` (every step checked), the extra step undone (counted), and the returned
     caches of equal length."""
-    from hf_flashinfer_mla import registration
+    from hf_flashinfer_mla import generation
 
-    DeferredStopCheck = registration.DeferredStopCheck
+    DeferredStopCheck = generation.DeferredStopCheck
     if DeferredStopCheck is None:
         pytest.skip("this Transformers checks every step")
     model = _fresh_v3()
@@ -324,12 +324,12 @@ def test_generate_reading_its_stop_condition_a_step_late_matches_checking_every_
                               eos_token_id=eos, pad_token_id=0, cache_implementation=cache_implementation,
                               output_logits=True, return_dict_in_generate=True)
 
-    monkeypatch.setenv(registration.DEFER_STOP_ENV, "0")
+    monkeypatch.setenv(generation.DEFER_STOP_ENV, "0")
     greedy = run().sequences[:, width:]
     eos = sorted({int(greedy[i, 2 + 2 * i]) for i in range(ids.shape[0])})  # row i stops by step 2 + 2i
     every = run(eos)
     assert undone == []
-    monkeypatch.delenv(registration.DEFER_STOP_ENV)
+    monkeypatch.delenv(generation.DEFER_STOP_ENV)
     late = run(eos)
     again = run(eos)
     new = every.sequences.shape[1] - width
