@@ -179,7 +179,7 @@ def _text_config_key(config, text_config) -> str:
     return next((key for key in config.sub_configs if getattr(config, key, None) is text_config), "text_config")
 
 
-def _adopt(model: PreTrainedModel, is_init_check: bool, original) -> str:
+def _adopt(model, is_init_check: bool, original) -> str:
     """The attention implementation `model` gets when ``"flashinfer_mla"`` is asked for, or an error saying why not.
 
     A causal LM over MLA (dense or sparse) gets it (with its ``expand_kv`` hooked). A multimodal model whose text

@@ -165,9 +165,9 @@ def unpageable(attn: str) -> str | None:
     this package's allocator holds it; 5.25 adds its own for eager/sdpa/flash."""
     import transformers
 
-    from hf_flashinfer_mla import paged
+    from hf_flashinfer_mla import paged_cache
 
-    if attn == "flashinfer_mla" or paged.TRANSFORMERS_MLA_ALLOCATOR is not None:
+    if attn == "flashinfer_mla" or paged_cache.TRANSFORMERS_MLA_ALLOCATOR is not None:
         return None
     return f"Transformers {transformers.__version__} cannot page an MLA model's cache for {attn} (5.25+ can)"
 

@@ -164,3 +164,50 @@ def test_ragged_groups_stay_within_the_expansion_bound(monkeypatch):
     assert groups[0].q_index.tolist() == list(range(0, 5)) + list(range(6, 16))
     assert groups[0].kv_index.tolist() == list(range(0, 5)) + list(range(14, 24))
     assert all(int(k_lens[g.requests].sum()) <= 15 for g in groups if len(g.requests) > 1)
+
+
+def test_every_caller_decodes_through_one_routine(fake_hopper, monkeypatch):
+    """generate() and continuous batching decode every layer through `decode.decode_layer` (the only caller of the
+    output projection), each step routing once per layer shape: on the step's plan (`StepPlan`) for generate(), on
+    the paged step (`PagedStep`) for continuous batching."""
+    from hf_flashinfer_mla import decode, plan
+
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "fa3")
+    projected, routed = [], []
+    project = decode.project_output
+    monkeypatch.setattr(decode, "project_output", lambda *a: projected.append(1) or project(*a))
+    route = plan.Routing.route
+    monkeypatch.setattr(plan.Routing, "route", lambda step, *a: routed.append(type(step).__name__) or route(step, *a))
+    model = make_model("deepseek_v3")
+    layers = len([m for m in model.modules() if hasattr(m, "kv_b_proj")])
+    batch = prompts()
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    steps = len(fake_hopper.modules["fa3"].plans)
+    assert routed == ["PagedStep"] * steps and len(projected) == layers * steps
+    projected.clear(), routed.clear()
+    model.generate(torch.tensor([batch[0]]), max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert set(routed) == {"StepPlan"} and len(projected) == layers * len(routed)
+
+
+def test_page_table_control_rolled_indices_fail(fake_hopper, monkeypatch):
+    """Control: the page table the kernel reads rolled by one entry (each position of a request names the row of the
+    one before it) changes the tokens; the fault is shown to have been applied."""
+    from hf_flashinfer_mla.rows import PageTable
+
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "fa3")
+    rolled = []
+    typed = PageTable.typed
+
+    def rolled_typed(self, dtype):
+        out = typed(self, dtype)
+        rolled.append(out.numel() > 1 and bool((out.roll(1) != out).any()))
+        return out.roll(1)
+
+    monkeypatch.setattr(PageTable, "typed", rolled_typed)
+    model = make_model("deepseek_v3")
+    batch = prompts()
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert any(rolled)
+    assert [o.error for o in out.values()] == [None] * len(batch)
+    assert [o.generated_tokens for o in out.values()] != eager_tokens(model, batch)

@@ -1,0 +1,379 @@
+"""What the server (``serve.py``) checks and caps, installed into Transformers' serving code: one bad request never
+takes the server down.
+
+* requests (`_check_request`): sampling settings out of range or of the wrong type are refused with a 400 naming the
+  field, a chat completion without a list of ``messages`` with a 422, each in OpenAI's error shape
+  (``{"error": {"message", "type", "param", "code"}}``); any other error of a request is its own error response;
+* answers (`cap_new_tokens`): ``max_tokens`` (or ``max_completion_tokens``, ``max_output_tokens``), given or not, is
+  capped at the context (``--max-model-len``, else the model's ``max_position_embeddings``) minus the prompt, and an
+  answer stopped there has ``finish_reason`` ``"length"`` (Transformers' default is 1,024 new tokens whatever the
+  context);
+* continuous batching survives an error: when its worker dies (an error in a step, or a request that outgrows the
+  whole cache), the requests it was running fail with that error, and the runner starts a new worker on the same
+  model and cache settings. Transformers marks the engine dead instead, and from 5.25 stops the server.
+
+`install` puts them in place, idempotently (`_INSTALLED` marks what it installed).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import json
+import math
+import threading
+import traceback
+
+from transformers.cli.serving import model_manager as _transformers_model_manager
+from transformers.cli.serving import utils as _serving_utils
+from transformers.utils import logging
+
+logger = logging.get_logger("hf_flashinfer_mla")
+_INSTALLED = "_flashinfer_mla"  # marks what this module installed, so that importing it twice changes nothing
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Requests: what is refused, and how errors are answered
+# --------------------------------------------------------------------------------------------------------------
+class RequestError(ValueError):
+    """A request the server refuses: answered with `status` and OpenAI's error body, naming the field `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def _error_response(message: str, status: int, kind: str, param: str | None = None):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                        status_code=status)
+
+
+def _at_least_one(value) -> bool:
+    return value >= 1
+
+
+# The sampling settings a request may carry, where it carries them: (name, integer?, accepted?, what it must be).
+# Transformers passes them on unchecked: a negative `max_tokens` answered empty, a negative temperature or a top_p
+# of 5 sampled anyway.
+_TOKENS = (True, _at_least_one, "at least 1")
+_SETTINGS = (
+    ("max_tokens", *_TOKENS),
+    ("max_completion_tokens", *_TOKENS),
+    ("max_output_tokens", *_TOKENS),
+    ("temperature", False, lambda v: v >= 0, "0 or more (0 is greedy)"),
+    ("top_p", False, lambda v: 0 < v <= 1, "greater than 0 and at most 1"),
+    ("n", True, _at_least_one, "at least 1"),
+    ("seed", True, lambda v: True, "an integer"),
+    # (Transformers turns it into repetition_penalty = 1 + frequency_penalty, which must be positive)
+    ("frequency_penalty", False, lambda v: -1 < v <= 2, "greater than -1 and at most 2"),
+)
+# Those of `generation_config`, a JSON object of GenerationConfig fields, that a request may set too.
+_GENERATION_CONFIG_SETTINGS = (
+    ("max_new_tokens", *_TOKENS),
+    ("max_length", *_TOKENS),
+    ("temperature", False, lambda v: v >= 0, "0 or more (0 is greedy)"),
+    ("top_p", False, lambda v: 0 < v <= 1, "greater than 0 and at most 1"),
+    ("top_k", True, lambda v: v >= 0, "0 or more (0: no top-k)"),
+)
+
+
+def _check_settings(settings: dict, rules, prefix: str = "") -> None:
+    for name, integer, accepted, must_be in rules:
+        value = settings.get(name)
+        if value is None:
+            continue
+        param = f"{prefix}{name}"
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or (integer and not isinstance(value, int)):
+            raise RequestError(f"`{param}` must be {'an integer' if integer else 'a number'}, "
+                               f"not {json.dumps(value)}", param)
+        if not accepted(value):
+            raise RequestError(f"`{param}` must be {must_be}, not {json.dumps(value)}", param)
+
+
+def _check_request(handler, body: dict) -> None:
+    """Raises `RequestError` naming the first field of `body` the server cannot take as it is."""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.response import ResponseHandler
+
+    if isinstance(handler, ResponseHandler) and not isinstance(body.get("input"), (str, list)):
+        # (Transformers reads body["input"] unchecked: a KeyError, a 500)
+        raise RequestError("`input` must be a string or a list of input items", "input", 422)
+    if isinstance(handler, ChatCompletionHandler):
+        # (Transformers 5.24's handler reads body["messages"] unchecked: a KeyError, a 500)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("`messages` must be a non-empty list of chat messages", "messages", 422)
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise RequestError(f"`messages[{index}]` must be an object with a `role`", f"messages[{index}]", 422)
+    _check_settings(body, _SETTINGS)
+    generation_config = body.get("generation_config")
+    if generation_config is not None:
+        try:
+            settings = json.loads(generation_config) if isinstance(generation_config, str) else None
+        except ValueError:
+            settings = None
+        if not isinstance(settings, dict):
+            raise RequestError("`generation_config` must be a string holding a JSON object of generation settings",
+                               "generation_config")
+        _check_settings(settings, _GENERATION_CONFIG_SETTINGS, prefix="generation_config.")
+
+
+def _engine_dead_errors() -> tuple[type, ...]:
+    """Transformers' error for a dead engine (5.25+), which its own handler answers with a 503. (5.24's
+    `CBWorkerDeadError` is not one here: the worker restarts, so it is the error of its request, a 500.)"""
+    dead = getattr(_serving_utils, "EngineDeadError", None)
+    return () if dead is None else (dead,)
+
+
+def _answering_errors(handle_request):
+    """`handle_request` of an endpoint, which answers every error of its request itself: a refused request with a
+    4xx naming the field, an error of its generation with a 500 saying what it was, each in OpenAI's error shape
+    (a request that streams gets its error as an event of the stream: Transformers' own)."""
+
+    @functools.wraps(handle_request)
+    async def handle(self, body, *args, **kwargs):
+        from starlette.exceptions import HTTPException
+
+        try:
+            if isinstance(body, dict):
+                _check_request(self, body)
+            return await handle_request(self, body, *args, **kwargs)
+        except RequestError as error:
+            return _error_response(str(error), error.status, "invalid_request_error", error.param)
+        except HTTPException as error:  # Transformers' own refusals (unknown fields, ...): same shape
+            return _error_response(str(error.detail), error.status_code, "invalid_request_error")
+        except _engine_dead_errors():
+            raise  # Transformers answers 503 for them
+        except ValueError as error:  # the request's fault: a model the server does not serve, a bad value
+            return _error_response(str(error), 400, "invalid_request_error")
+        except Exception as error:
+            logger.error("A request failed", exc_info=True)
+            return _error_response(f"{type(error).__name__}: {error}", 500, "server_error")
+
+    setattr(handle, _INSTALLED, True)
+    return handle
+
+
+def _install_request_checks() -> None:
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.response import ResponseHandler
+
+    for handler in (ChatCompletionHandler, CompletionHandler, ResponseHandler):
+        if not getattr(handler.handle_request, _INSTALLED, False):
+            handler.handle_request = _answering_errors(handler.handle_request)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Answers: capped at the context
+# --------------------------------------------------------------------------------------------------------------
+_MAX_MODEL_LEN: int | None = None  # --max-model-len on Transformers 5.24, whose server has no such option
+
+
+def cap_new_tokens(requested: int | None, prompt: int, context: int | None) -> int | None:
+    """The new tokens a request gets: what it asked for (``None``: no limit of its own), at most what fits in the
+    `context` after its `prompt`. Raises `RequestError` for a prompt that leaves no room."""
+    if context is None:
+        return requested
+    room = context - prompt
+    if room < 1:
+        raise RequestError(f"The prompt has {prompt} tokens, but the model takes at most {context}, prompt and "
+                           "answer (--max-model-len): shorten the prompt")
+    return room if requested is None or requested > room else requested
+
+
+def _prompt_length(inputs) -> int:
+    ids = inputs["input_ids"]
+    return len(ids) if isinstance(ids, list) else ids.shape[-1]  # lists for continuous batching, else a tensor
+
+
+def _context_524(config) -> int | None:
+    model_length = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if _MAX_MODEL_LEN is None:
+        return model_length
+    return _MAX_MODEL_LEN if model_length is None else min(_MAX_MODEL_LEN, model_length)
+
+
+def _capped_engine_call(method):
+    """`EngineClient.generate_(non_)streaming(inputs, generation_kwargs, ...)` (5.25+), with ``max_new_tokens``
+    capped in `generation_kwargs` itself, which the handler reads afterwards for the answer's finish_reason."""
+
+    @functools.wraps(method)
+    def call(self, inputs, generation_kwargs, *args, **kwargs):
+        context = self.generation_state.context_length(self.model_config)
+        generation_kwargs["max_new_tokens"] = cap_new_tokens(
+            generation_kwargs.get("max_new_tokens"), _prompt_length(inputs), context)
+        return method(self, inputs, generation_kwargs, *args, **kwargs)
+
+    setattr(call, _INSTALLED, True)
+    return call
+
+
+def _capped_manager_call(method):
+    """`GenerateManager`/`CBGenerateManager.generate_(non_)streaming(model, processor, inputs, gen_config, ...)`
+    (5.24), with ``max_new_tokens`` capped in `gen_config` (the request's own copy), which the handler reads
+    afterwards for the answer's finish_reason."""
+
+    @functools.wraps(method)
+    def call(self, model, processor, inputs, gen_config, *args, **kwargs):
+        gen_config.max_new_tokens = cap_new_tokens(gen_config.max_new_tokens, _prompt_length(inputs),
+                                                   _context_524(model.config))
+        return method(self, model, processor, inputs, gen_config, *args, **kwargs)
+
+    setattr(call, _INSTALLED, True)
+    return call
+
+
+def _install_answer_caps() -> None:
+    engine = getattr(_transformers_model_manager, "EngineClient", None)
+    if engine is not None:
+        classes, wrap = (engine,), _capped_engine_call
+    else:
+        classes, wrap = (_serving_utils.GenerateManager, _serving_utils.CBGenerateManager), _capped_manager_call
+    for cls in classes:
+        for name in ("generate_streaming", "generate_non_streaming"):
+            method = getattr(cls, name)
+            if not getattr(method, _INSTALLED, False):
+                setattr(cls, name, wrap(method))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Continuous batching: a worker that dies is replaced
+# --------------------------------------------------------------------------------------------------------------
+RESTART_WAIT = 120.0  # seconds a new request waits for a worker being replaced, before it fails
+
+
+def _free_device_memory(model, dead_manager) -> None:
+    """Frees the dead worker's cache before the new worker allocates one as large (its config holds the size now).
+    The worker's error keeps its traceback, whose frames hold the batch processor, its cache and the activations
+    of the step that failed: they are cleared first (the thread has ended: none of them runs)."""
+    error = dead_manager.background_thread_status.fatal_error
+    if error is not None:
+        try:
+            traceback.clear_frames(error.__traceback__)
+        except RuntimeError:  # (a frame still running: nothing to free there)
+            pass
+    gc.collect()
+    device = getattr(model, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _install_worker_restart_525(runner_class) -> None:
+    """Transformers 5.25+: `CBGenerateRunner` runs in the model's process. When its batching worker dies, the thread
+    that sends its outputs fails its requests with an `EngineDeadError`, which marks the engine dead in the API
+    server and stops the server. Here the requests fail with a `RuntimeError` instead (the error of their own
+    request), and that thread starts a new worker before it exits. A request arriving meanwhile waits for it."""
+    from transformers.cli.serving.utils import EngineDeadError
+
+    original_init, original_generate = runner_class.__init__, runner_class.generate
+    signature = inspect.signature(original_init)
+
+    def request_failure(result):
+        if isinstance(result, EngineDeadError):
+            return RuntimeError(f"Continuous batching failed while running this request, and restarts: {result}")
+        return result
+
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        self._flashinfer_mla_worker = (arguments["model"], arguments["cb_config"], arguments.get("context_length"))
+        self._flashinfer_mla_replacing = threading.Condition()
+        self._flashinfer_mla_gone = False  # a new worker could not start either: the engine is dead for good
+        send_results = arguments["send_results"]
+
+        def send(ids, tokens, finished):
+            death = next((r for i, r in finished if i is None and isinstance(r, EngineDeadError)), None)
+            if self._flashinfer_mla_gone:
+                send_results(ids, tokens, finished)
+                return
+            # (an EngineDeadError for one request, from a worker found dead, would mark the whole engine dead)
+            send_results(ids, tokens, [(i, request_failure(r)) for i, r in finished if i is not None])
+            if death is not None:  # this is the outputs thread of the worker that died: it replaces it
+                replace_worker(self, death, send_results)
+
+        arguments["send_results"] = send
+        original_init(*bound.args, **bound.kwargs)
+
+    def replace_worker(self, death, send_results) -> None:
+        model, cb_config, context_length = self._flashinfer_mla_worker
+        with self._flashinfer_mla_replacing:
+            logger.warning(f"Continuous batching failed ({death}): its requests failed; starting a new worker")
+            old = self.manager
+            try:
+                old.stop(block=True, timeout=30)
+            except Exception:  # noqa: BLE001  (it is dead already: whatever stopping it raises changes nothing)
+                logger.debug("Stopping the dead continuous batching worker raised", exc_info=True)
+            _free_device_memory(model, old)
+            try:
+                self.manager = self._start_continuous_batching(model, cb_config, context_length)
+            except Exception:
+                logger.error("A new continuous batching worker could not start: the engine stops", exc_info=True)
+                self._flashinfer_mla_gone = True
+                send_results([], [], [(None, death)])
+            self._flashinfer_mla_replacing.notify_all()
+
+    def generate(self, request_id, *args, **kwargs):
+        def alive() -> bool:
+            return self._flashinfer_mla_gone or self.manager.background_thread_status.fatal_error is None
+
+        with self._flashinfer_mla_replacing:
+            self._flashinfer_mla_replacing.wait_for(alive, timeout=RESTART_WAIT)
+        return original_generate(self, request_id, *args, **kwargs)
+
+    runner_class.__init__ = functools.wraps(original_init)(__init__)
+    runner_class.generate = functools.wraps(original_generate)(generate)
+    setattr(runner_class.__init__, _INSTALLED, True)
+
+
+def _install_worker_restart_524(manager_class) -> None:
+    """Transformers 5.24: `CBGenerateManager` runs in the server's process; once its worker died, every request gets
+    a 503 and /health says unhealthy. Here the next request starts a new worker first (`init_cb`, which every
+    continuous batching request calls before it generates)."""
+    original_init_cb, original_is_alive = manager_class.init_cb, manager_class.is_alive
+
+    def init_cb(self, model, gen_config):
+        dead = self._cb
+        if dead is not None and dead.background_thread_status.fatal_error is not None:
+            error = dead.background_thread_status.fatal_error
+            logger.warning(f"Continuous batching failed ({error}): its requests failed; starting a new worker")
+            try:
+                dead.stop(block=True, timeout=30)
+            except Exception:  # noqa: BLE001  (it is dead already)
+                logger.debug("Stopping the dead continuous batching worker raised", exc_info=True)
+            self._cb = None
+            _free_device_memory(model, dead)
+        original_init_cb(self, model, gen_config)
+
+    def is_alive(self):
+        # A dead worker is replaced by the next request: the server stays healthy.
+        return True
+
+    manager_class.init_cb = functools.wraps(original_init_cb)(init_cb)
+    manager_class.is_alive = functools.wraps(original_is_alive)(is_alive)
+    setattr(manager_class.init_cb, _INSTALLED, True)
+
+
+def _install_worker_restart() -> None:
+    runner = getattr(_serving_utils, "CBGenerateRunner", None)
+    if runner is not None:
+        if not getattr(runner.__init__, _INSTALLED, False):
+            _install_worker_restart_525(runner)
+        return
+    manager = getattr(_serving_utils, "CBGenerateManager", None)
+    if manager is not None and not getattr(manager.init_cb, _INSTALLED, False):
+        _install_worker_restart_524(manager)
+
+
+def install() -> None:
+    _install_request_checks()
+    _install_answer_caps()
+    _install_worker_restart()
