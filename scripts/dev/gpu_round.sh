@@ -36,9 +36,9 @@
 # budget allows `serving`, `serving-cb`, `serving-v3`, `sparse`, `fp8`; `tp` and `tp-bench` on nvidia-h200-x2.
 #
 # Output: ${OUT:-bench_out}/env.txt (date, GPU, driver, CPU, versions, commit, modes), and per mode a folder with
-# <mode>.log (every command, then its output) and the scripts' JSON. PACK=1 packs them all into one
-# gpu_round_<modes>.tgz instead (the device tool brings back at most 8 files per call). COMMIT=<sha> names the
-# revision in env.txt where the tree's .git may not match it (a copied working tree).
+# <mode>.log (every command, then its output) and the scripts' JSON. PACK=1 packs each mode into gpu_round_<mode>.tgz
+# as it ends (the device tool brings back at most 8 files per call, and a call stopped at its limit keeps them).
+# COMMIT=<sha> names the revision in env.txt where the tree's .git may not match it (a copied working tree).
 #
 # The device machine is offline: the devkit (FlashInfer's sources with kernels compiled ahead of time, and the
 # Transformers wheels; ../shared/devkit/README.md) travels with the call as .devkit/, carried: `carry: [".devkit"]`.
@@ -163,7 +163,7 @@ mode_serving() {
 }
 
 mode_serving_cb() {
-  local m limits=(deepseek-v2-lite 70 150 deepseek-v3-attn 50 110) i
+  local m limits=(deepseek-v2-lite 60 130 deepseek-v3-attn 40 75) i
   for i in 0 3; do
     m=${limits[$i]}
     run "${limits[$((i + 1))]}" python3 scripts/bench_serving.py --model $m --requests 16 --no-progress --out "$D" \
@@ -207,10 +207,9 @@ mode_tp_bench() {
 for MODE in "$@"; do
   D=$O/$MODE; mkdir -p "$D"
   "mode_${MODE//-/_}"
+  # Each mode packed as it ends: a call stopped at its limit still brings back the modes it finished.
+  if [ "${PACK:-0}" = 1 ]; then
+    (cd "$O" && tar czf "gpu_round_$MODE.tgz" "$MODE" && rm -rf "$MODE") && echo "packed $O/gpu_round_$MODE.tgz"
+  fi
 done
-
-if [ "${PACK:-0}" = 1 ]; then
-  archive=gpu_round_$(IFS=-; echo "$*").tgz
-  (cd "$O" && tar czf "$archive" env.txt "$@" && rm -rf env.txt "$@") && echo "packed $O/$archive"
-fi
 exit $FAILED
