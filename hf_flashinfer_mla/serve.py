@@ -187,11 +187,9 @@ def _command():
     changed = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in changed]
 
     def serve(**options):
-        global _MAX_MODEL_LEN
-
         _check_command_line(options)
-        if "max_model_len" not in names:
-            _MAX_MODEL_LEN = options.pop("max_model_len")
+        if "max_model_len" not in names:  # (answers are capped by serve_guards, which reads it)
+            serve_guards.MAX_MODEL_LEN = options.pop("max_model_len")
         Serve(**options)
 
     serve.__signature__ = inspect.Signature(changed)

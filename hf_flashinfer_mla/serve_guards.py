@@ -172,7 +172,7 @@ def _install_request_checks() -> None:
 # --------------------------------------------------------------------------------------------------------------
 # Answers: capped at the context
 # --------------------------------------------------------------------------------------------------------------
-_MAX_MODEL_LEN: int | None = None  # --max-model-len on Transformers 5.24, whose server has no such option
+MAX_MODEL_LEN: int | None = None  # --max-model-len on Transformers 5.24, whose server has no such option (serve.py)
 
 
 def cap_new_tokens(requested: int | None, prompt: int, context: int | None) -> int | None:
@@ -194,9 +194,9 @@ def _prompt_length(inputs) -> int:
 
 def _context_524(config) -> int | None:
     model_length = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if _MAX_MODEL_LEN is None:
+    if MAX_MODEL_LEN is None:
         return model_length
-    return _MAX_MODEL_LEN if model_length is None else min(_MAX_MODEL_LEN, model_length)
+    return MAX_MODEL_LEN if model_length is None else min(MAX_MODEL_LEN, model_length)
 
 
 def _capped_engine_call(method):
