@@ -57,6 +57,30 @@ def test_register_is_idempotent():
         assert not paged_cache.TRANSFORMERS_MLA_ALLOCATOR.__name__.startswith("LatentOr")
 
 
+def test_every_seam_of_the_table_is_in_place_once():
+    """Each row of `registration.SEAMS` names what Transformers holds now: the package's wrapper, put there once (its
+    original underneath is Transformers' own), or nothing where this release lacks the object (5.25's
+    `MLACacheAllocator` on 5.24); and the table names every wrapper once per place."""
+    from hf_flashinfer_mla import registration
+
+    places = [(id(seam.owner), seam.name) for seam in registration.SEAMS]
+    assert len(set(places)) == len(places)
+    hf_flashinfer_mla.register()
+    for seam in registration.SEAMS:
+        table = isinstance(seam.owner, dict)
+        current = seam.owner.get(seam.name) if table else getattr(seam.owner, seam.name, None)
+        if seam.owner is None or current is None:
+            assert seam.versions == "5.25" or seam.owner is None, seam
+            continue
+        assert getattr(current, registration.PATCHED, False), seam
+        original = getattr(getattr(current, "__func__", current), "__wrapped__", None)
+        if original is None:  # (a class in Transformers' place: over Transformers' own, never over itself)
+            assert not current.__bases__[0].__name__.startswith("LatentOr"), seam
+        else:
+            assert not getattr(original, registration.PATCHED, False), seam
+        assert seam.versions and seam.why, seam
+
+
 def test_switching_back_and_forth_gives_each_implementations_own_result():
     model = make_model("deepseek_v2")
     results = {}
