@@ -251,6 +251,21 @@ def mla_layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "kv_b_proj")]
 
 
+def kv_b_proj_to_4bit(model) -> None:
+    """Every MLA layer's kv_b_proj replaced by a bitsandbytes 4-bit (nf4) copy of it; the test is skipped where
+    bitsandbytes is missing or cannot quantize on this CPU."""
+    bnb = pytest.importorskip("bitsandbytes")
+    for m in mla_layers(model):
+        lin = m.kv_b_proj
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.float32,
+                              quant_type="nf4")
+        q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4")
+        try:
+            m.kv_b_proj = q.to("cpu")
+        except Exception as exc:  # bitsandbytes without a CPU backend
+            pytest.skip(f"bitsandbytes cannot quantize on this CPU: {exc}")
+
+
 @contextlib.contextmanager
 def kv_b_proj_rows(model):
     """Rows each MLA layer's kv_b_proj receives while the block runs (one entry per call with a sequence-shaped

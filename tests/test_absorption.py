@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune
-from helpers import assert_batch_matches_eager_alone, decode_logits, left_padded_batch, make_model, rel_err
+from helpers import (assert_batch_matches_eager_alone, decode_logits, kv_b_proj_to_4bit, left_padded_batch, make_model,
+                     rel_err)
 from torch import nn
 from transformers import DynamicCache
 from transformers.integrations import finegrained_fp8
@@ -326,17 +327,8 @@ def test_trainable_custom_linear_keeps_its_gradient():
 
 
 def test_bitsandbytes_4bit_matches_eager():
-    bnb = pytest.importorskip("bitsandbytes")
     model = make_model("deepseek_v3", dtype=torch.float32)
-    for m in _attention_modules(model):
-        lin = m.kv_b_proj
-        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.float32,
-                              quant_type="nf4")
-        q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4")
-        try:
-            m.kv_b_proj = q.to("cpu")
-        except Exception as exc:  # bitsandbytes without a CPU backend
-            pytest.skip(f"bitsandbytes cannot quantize on this CPU: {exc}")
+    kv_b_proj_to_4bit(model)
     ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)

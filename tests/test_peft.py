@@ -21,7 +21,8 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from helpers import VOCAB, decode_logits, kv_b_proj_rows, left_padded_batch, make_model, mla_layers, rel_err
+from helpers import (VOCAB, decode_logits, kv_b_proj_rows, kv_b_proj_to_4bit, left_padded_batch, make_model, mla_layers,
+                     rel_err)
 from transformers import DynamicCache
 
 peft = pytest.importorskip("peft")
@@ -449,17 +450,8 @@ def test_a_data_write_to_lora_b_between_generate_calls_is_followed():
 def test_a_lora_over_a_4bit_base_follows_its_adapter_as_written():
     """QLoRA: a LoRA over a bitsandbytes 4-bit kv_b_proj. The base is absorbed through its dequantized copy, the
     adapter live on top: a ``.data`` write to the adapter's factors is followed at the next step, as eager does."""
-    bnb = pytest.importorskip("bitsandbytes")
     model = make_model("deepseek_v3", dtype=torch.float32)
-    for m in mla_layers(model):
-        lin = m.kv_b_proj
-        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.float32,
-                              quant_type="nf4")
-        q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4")
-        try:
-            m.kv_b_proj = q.to("cpu")
-        except Exception as exc:  # bitsandbytes without a CPU backend
-            pytest.skip(f"bitsandbytes cannot quantize on this CPU: {exc}")
+    kv_b_proj_to_4bit(model)
     torch.manual_seed(100)
     pm = get_peft_model(model, lora_config(), adapter_name=FIRST).eval()
     assert type(mla_layers(pm)[0].kv_b_proj.base_layer).__name__ == "Linear4bit"
