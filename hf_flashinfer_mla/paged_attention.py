@@ -16,76 +16,119 @@ Under continuous batching the attention function receives every request's query 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
+from transformers.generation.continuous_batching.utils import stream_context
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
-from . import capabilities
-from .absorption import absorbed_weights
+from . import adapters, capabilities
+from .absorption import absorbed_weights, unabsorbable
 from .decode import decode_layer
-from .kernels import Layer, Refused, ragged
+from .kernels import Layer, Refused, fa, graphs, ragged
 from .models import original_expand_kv
-from .paged_cache import LatentAllocator
-from .plan import Routing
+from .paged_cache import LatentAllocator, resolve_graphs, refuse_unservable, uses_latent
+from .plan import FAMILIES, Route, Routing
 from .rows import PageTable, Rows, to_device
 
 logger = logging.get_logger("hf_flashinfer_mla")
+
+# The backends whose continuous-batching decode runs in CUDA graphs: their schedule is reloaded into fixed buffers
+# before each replay (FlashInfer's generated fa2/fa3 module, ``kernels/fa.py``).
+GRAPHED_BACKENDS = ("fa3", "fa2")
 
 
 class PagedStep(Routing):
     """One continuous-batching forward, on the host: request ``r`` has ``q_lens[r]`` query tokens (packed in order)
     and sees ``k_lens[r]`` cached rows (its past and its new tokens), listed in order in the step's read indices.
-    Its decode requests' routes are shared by its layers (`plan.Routing`)."""
+    Its decode requests' routes are shared by its layers (`plan.Routing`).
+
+    A `graphed` step runs in a CUDA graph (every request decodes; see `graph_refusal`): its decode batch is every
+    query token of the padded forward, each padding row reading one entry of the read indices' padded tail, which
+    Transformers fills with its read-trash row (its outputs are never read); its routes run the CUDA-graph slots of
+    that batch (``kernels/graphs.py``), which `prepare_step` reloads before each replay."""
 
     paged = True
     q_len = 1  # the routes serve the decode requests: one query token each
 
-    def __init__(self, q_lens: torch.Tensor, k_lens: torch.Tensor, tokens: int):
+    def __init__(self, q_lens: torch.Tensor, k_lens: torch.Tensor, tokens: int, page_rows: int = 0,
+                 graphed: bool = False):
         super().__init__()
+        self.requests = q_lens.numel()  # real requests (a graphed step appends padding rows)
+        self.graphed = graphed
+        if graphed:  # padding rows: one row each, read at the padded tail of the read indices (Transformers' trash)
+            pad = tokens - self.requests
+            q_lens, k_lens = torch.cat([q_lens, q_lens.new_ones(pad)]), torch.cat([k_lens, k_lens.new_ones(pad)])
         self.q_lens, self.k_lens = q_lens, k_lens  # [B] int64, host
+        self.kv_offsets = torch.zeros(self.batch + 1, dtype=torch.long)
+        self.kv_offsets[1:] = k_lens.cumsum(0)
+        offsets = self.kv_offsets
         self.tokens = tokens  # query tokens of the forward, padding included
         self.started = False  # a forward has run on it
         self.prefill_groups: dict[tuple, list] = {}  # the prefill chunks' ragged-prefill groups, planned per shape
-        self.page_rows = 0  # rows per page of a cache storing the latent packed (trtllm-gen reads those); 0: not
+        self.page_rows = page_rows  # rows per page of a cache storing the latent packed (trtllm-gen reads those)
         self.cu_q = torch.zeros(self.batch + 1, dtype=torch.long)
         self.cu_q[1:] = q_lens.cumsum(0)
-        self.kv_offsets = torch.zeros(self.batch + 1, dtype=torch.long)
-        self.kv_offsets[1:] = k_lens.cumsum(0)
         self.decode = (q_lens == 1).nonzero().flatten()  # requests that run absorbed
         # the others with query tokens: prefill chunks (a request may have none: Transformers prefills a prompt to be
         # forked, sampled several times, without its last token, which for a 1-token prompt leaves nothing)
         self.chunks = (q_lens > 1).nonzero().flatten().tolist()
         self._rows = Rows(k_lens[self.decode].to(torch.int32), 1, None)
+        # (the read indices, on the device, are the forward's: `start`)
+        self.pages = PageTable(offsets[self.decode], None, int(offsets[-1]), page_rows)
 
     @property
     def batch(self) -> int:
         return self.q_lens.numel()
 
+    batch_size = batch  # (as `kernels/graphs.py` reads a step)
+
     @classmethod
-    def of_batch(cls, requests, tokens: int) -> PagedStep:
+    def of_batch(cls, requests, tokens: int, page_rows: int = 0, graphed: bool = False) -> PagedStep:
         """From Transformers' scheduled requests, once `prepare_batch_tensors` has advanced their offsets."""
         q = torch.tensor([fs.query_length for fs in requests], dtype=torch.long)
         end = torch.tensor([fs.state.position_offset for fs in requests], dtype=torch.long)
-        return cls(q, end, tokens)
+        return cls(q, end, tokens, page_rows, graphed)
 
     @classmethod
-    def from_kwargs(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int) -> PagedStep:
+    def from_kwargs(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int, page_rows: int) -> PagedStep:
         """From the forward's own cumulative lengths (one device-to-host copy): a forward not prepared by
         continuous batching's loop."""
         host = torch.stack([cu_q.long(), cu_k.long()]).cpu()
         q, k = host.diff(dim=1)
         keep = q > 0  # padding sequences have no tokens
-        return cls(q[keep], k[keep], tokens)
+        return cls(q[keep], k[keep], tokens, page_rows)
 
     def matches(self, tokens: int, cu_q: torch.Tensor) -> bool:
-        return self.tokens == tokens and cu_q.numel() >= self.batch + 1
+        return self.tokens == tokens and cu_q.numel() >= self.requests + 1
 
-    def start(self, source: torch.Tensor, page_rows: int) -> None:
-        """The first layer's forward: the step's read indices (`source`, on the device) become its page table."""
-        self.started, self.page_rows = True, page_rows
-        self.pages = PageTable(self.kv_offsets[self.decode], source, int(self.kv_offsets[-1]), page_rows)
+    def start(self, source: torch.Tensor) -> None:
+        """A forward's first layer: the step's read indices (`source`, on the device) become its page table's. A
+        graphed step's forward is run twice (warmed up, then captured): each converts them again, so that the
+        captured graph converts the indices of the step it replays, and routes again on them."""
+        self.started = True
+        self.pages.indices, self.pages._typed = source, {}
+        if self.graphed:
+            # (all of them: the captured conversion must cover the longest step its graph replays, not this one)
+            self.pages._typed[torch.int32] = source.to(torch.int32)
+            self.routes.clear()
+
+    def route(self, key: tuple, layer: Layer, requested: str, grad: bool) -> Route:
+        if not self.graphed:
+            return super().route(key, layer, requested, grad)
+        backend = self._backend(layer, requested, grad)
+        slot = backend in GRAPHED_BACKENDS and graphs.slot((backend, layer, self.batch, 1, None), FAMILIES[backend],
+                                                           backend, layer, self)
+        if not isinstance(slot, graphs.GraphSlot):
+            raise RuntimeError(f"flashinfer_mla: a continuous-batching step in a CUDA graph routed to {backend}, "
+                               f"which it cannot replay; pass continuous_batching_config=ContinuousBatchingConfig("
+                               "use_cuda_graph=False) to generate_batch or init_continuous_batching.")
+        # The slot's schedule (reloaded before each replay, `prepare_step`) with this forward's page indices.
+        meta = dataclasses.replace(slot.meta, kv_indices=self.pages.typed(torch.int32))
+        self.routes[key] = Route(backend, layer, meta)
+        return self.routes[key]
 
     # ------------------------------------------------------------------------------------------- what builders read
     def rows(self) -> Rows:
@@ -98,12 +141,34 @@ class PagedStep(Routing):
                      k_rot.shape[-1], 0, self.page_rows > 0, scale, topk, sinks)
 
 
-def prepare_step(cache, requests, tokens: int) -> None:
-    """Hand the batch Transformers just prepared to the cache's latent allocator (its seam, `paged_steps`, calls this
-    after ``ContinuousBatchingIOs.prepare_batch_tensors``)."""
-    for allocator in cache.cache_allocators.values():
+def prepare_step(io) -> None:
+    """Hand the batch Transformers just prepared (``ContinuousBatchingIOs`` `io`) to the cache's latent allocator:
+    its seam, `paged_steps`, calls this after ``prepare_batch_tensors``. A step every request of which decodes runs
+    in a CUDA graph where Transformers captures them (`graphed`): the graph slots of its batch are reloaded here
+    with its schedule, on the stream the graph replays on, since a replay runs no Python."""
+    requests, tokens = io.requests_in_batch, io.num_q_tokens
+    graphed = (getattr(io, "use_cuda_graph_varlen", False) and not io.use_block_table
+               and all(fs.query_length == 1 for fs in requests) and _fits_one_graph(io, tokens))
+    for allocator in io.cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
-            allocator.step = PagedStep.of_batch(requests, tokens)
+            allocator.step = step = PagedStep.of_batch(requests, tokens, page_rows(allocator), graphed)
+            if graphed:
+                with stream_context(io.compute_stream):
+                    for _, slot in graphs.slots_for(step.batch, 1, None):
+                        slot.load(step)
+
+
+def page_rows(allocator: LatentAllocator) -> int:
+    """Rows per page of a cache storing the latent packed (trtllm-gen reads those; 0: not packed)."""
+    return allocator.tokens_per_page if allocator.row_width == allocator.rank + allocator.rope else 0
+
+
+def _fits_one_graph(io, tokens: int) -> bool:
+    """Whether FlashInfer's scheduler accepts every decode step of `tokens` rows (its work-item capacity), so that a
+    graph captured on fa3/fa2 never meets a step it declines (``kernels/fa.py`` `refusal_for_every_step`)."""
+    heads = io.config.get_text_config().num_attention_heads
+    sms = torch.cuda.get_device_properties(io.device).multi_processor_count if io.device.type == "cuda" else 132
+    return fa.work_items_bound(tokens, 1, heads, sms) <= fa.MAX_WORK_ITEMS
 
 
 def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling, mla_backend=None, **kwargs):
@@ -113,18 +178,23 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
     step = allocator.step
     # A prepared step serves exactly one forward: the one whose first layer finds it unstarted.
     first = module.layer_idx == allocator.layer_indices[0]
-    if step is None or (first and step.started) or not step.matches(query.shape[2], cu_q):
-        step = allocator.step = PagedStep.from_kwargs(cu_q, kwargs["cu_seq_lens_k"], query.shape[2])
+    # (a graphed step serves the two forwards of its capture: warm-up, then capture)
+    if step is None or (first and step.started and not step.graphed) or not step.matches(query.shape[2], cu_q):
+        step = allocator.step = PagedStep.from_kwargs(cu_q, kwargs["cu_seq_lens_k"], query.shape[2],
+                                                      page_rows(allocator))
     read_index = kwargs["read_index"][allocator.index]
     # A step with no cached past reads nothing back: its rows are the ones it writes, in the same order.
     source = read_index if read_index.numel() else kwargs["write_index"][allocator.index]
-    if not step.started:
-        packed = allocator.row_width == allocator.rank + allocator.rope
-        step.start(source, allocator.tokens_per_page if packed else 0)
+    if not step.started or (first and step.graphed):
+        step.start(source)
     scale = scaling if scaling is not None else module.qk_head_dim**-0.5
     h, t = query.shape[1], query.shape[2]
-    out = query.new_zeros(1, t, h, module.v_head_dim)
     weights = absorbed_weights(module, query.dtype) if len(step.decode) else None
+    if step.graphed and weights is None:
+        raise RuntimeError(f"flashinfer_mla: layer {module.layer_idx} can no longer absorb kv_b_proj, which a "
+                           "continuous-batching step in a CUDA graph needs; run generate_batch with "
+                           "continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=False).")
+    out = query.new_zeros(1, t, h, module.v_head_dim)
     decode = step.decode if weights is not None else step.decode[:0]
     if len(decode):
         tokens = step.cu_q[decode]
@@ -199,7 +269,56 @@ def _prefill_groups(allocator, step: PagedStep, pending: list[int], module, quer
     return groups
 
 
-# Seam (``registration.py``): where Transformers has laid out a batch on the host
+def graph_refusal(model) -> str | None:
+    """Why `model`'s continuous-batching decode steps cannot run in CUDA graphs (None: they can). A replayed graph
+    runs the kernels it captured on the buffers it captured: the decode must run on a backend whose schedule is
+    reloaded into fixed buffers before each replay, and nothing that a Python check decides per step may change
+    between replays (a PEFT adapter switched, a kv_b_proj that stopped absorbing)."""
+    config = model.config.get_text_config(decoder=True)
+    layers = [m for m in model.modules() if "kv_b_proj" in m._modules and hasattr(m, "qk_nope_head_dim")]
+    if not layers:
+        return "it has no MLA attention layer"
+    weight = next(layers[0].kv_b_proj.parameters())
+    requested = capabilities.requested_backend(None, config)
+    backend = capabilities.choose_backend(weight.device, model.dtype, config.kv_lora_rank, config.qk_rope_head_dim,
+                                         config.num_attention_heads, requested)
+    if backend not in GRAPHED_BACKENDS:
+        return f"its decode runs on {backend}, whose paged steps are planned on the host every step"
+    if not fa.uses_generated_module():
+        return "FlashInfer's public MLA wrapper binds its buffers when it plans (its generated module is not in use)"
+    for module in layers:
+        proj = module.kv_b_proj
+        if adapters.is_lora(proj):
+            return "a PEFT adapter on kv_b_proj can be switched between steps, which a replayed graph would not see"
+        if getattr(module, "sinks", None) is not None:
+            return "its layers have attention sinks, which FlashInfer's MLA kernels do not take"
+        why = unabsorbable(proj)
+        if why is not None:
+            return f"kv_b_proj cannot be absorbed ({why})"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Seams (``registration.py``)
+# ------------------------------------------------------------------------------------------------------------------
+def manager_checked(original):
+    # The manager is built in the caller's thread, before the background loop: the one place where a model continuous
+    # batching cannot serve can raise (the loop turns any error into FAILED requests with empty outputs), and where
+    # the model is at hand to decide its CUDA graphs. It keeps "flashinfer_mla" as a flash implementation (the name
+    # contains "flash"), for which Transformers turns CUDA graphs and asynchronous batching on: graphs stay on for
+    # the decode steps of a model that `graph_refusal` admits, asynchronous batching goes (`paged_cache`).
+    @functools.wraps(original)
+    def __init__(self, model, *args, **kwargs):
+        refuse_unservable(model)
+        original(self, model, *args, **kwargs)
+        if uses_latent(self.model.config.get_text_config()):
+            why = graph_refusal(self.model) if any(self.continuous_batching_config.cuda_graph_booleans) else None
+            resolve_graphs(self.continuous_batching_config, why)
+
+    return __init__
+
+
+# Where Transformers has laid out a batch on the host
 def paged_steps(original):
     # The attention receives only device tensors (cu_seq_lens, read indices); reading their lengths would wait for
     # the GPU. Here, where Transformers has just laid out the batch on the host, its lengths go to the latent
@@ -207,6 +326,21 @@ def paged_steps(original):
     @functools.wraps(original)
     def prepare_batch_tensors(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        prepare_step(self.cache, self.requests_in_batch, self.num_q_tokens)
+        prepare_step(self)
 
     return prepare_batch_tensors
+
+
+def graphs_for_graphed_steps(original):
+    # Transformers captures every padded varlen forward in a CUDA graph once it turned graphs on; a step of the
+    # package's is captured only where its metadata can be reloaded before each replay (`PagedStep.graphed`: every
+    # request decodes); any other step (prefill chunks, mixed) runs as it is, with the same padded inputs.
+    @functools.wraps(original)
+    def _get_forward_fn(self, use_block_table: bool):
+        forward_fn, use_graph = original(self, use_block_table)
+        steps = [a.step for a in self.cache.cache_allocators.values() if isinstance(a, LatentAllocator)]
+        if use_graph and steps:
+            use_graph = all(step is not None and step.graphed for step in steps)
+        return forward_fn, use_graph
+
+    return _get_forward_fn

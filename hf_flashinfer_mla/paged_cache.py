@@ -13,7 +13,8 @@ that it counts exactly the latent's bytes (DeepSeek-V3: 576 values per token and
 28x more tokens in the same memory).
 
 The attention over these rows is ``paged_attention.py``; this module also holds what continuous batching refuses
-(`refuse_unservable`, `refuse_kept_cache`) and why it runs without CUDA graphs (`disable_graphs`).
+(`refuse_unservable`, `refuse_kept_cache`) and how it runs CUDA graphs and asynchronous batching
+(`resolve_graphs`).
 """
 
 from __future__ import annotations
@@ -202,40 +203,26 @@ def refuse_kept_cache(model, manager) -> None:
     )
 
 
-def disable_graphs(cb_config) -> None:
-    """Continuous batching without CUDA graphs and without asynchronous batching, saying why once: a replayed graph
-    runs no Python, and the paged kernels are planned on the host from each step's lengths. Transformers turns
-    asynchronous batching on with the graphs (its default: on where graphs are); it would have the host plan a step
+def resolve_graphs(cb_config, why: str | None) -> None:
+    """Continuous batching without asynchronous batching, and without CUDA graphs where `why` says why not (each
+    said once). Transformers turns asynchronous batching on with the graphs; it would have the host plan a step
     while the GPU may still be copying the previous step's schedule from FlashInfer's pinned host buffer, which each
-    ragged-prefill plan rewrites (`kernels/ragged.py`)."""
-    if any(cb_config.cuda_graph_booleans) or cb_config.use_async_batching:
-        logger.warning_once(
-            f"flashinfer_mla: continuous batching runs without CUDA graphs and without asynchronous batching for "
-            f"{ATTN_NAME} models: a replayed graph runs no Python, and FlashInfer's paged MLA kernels are planned on "
-            "the host from each step's lengths, after the previous step's."
-        )
+    plan rewrites (``kernels/fa.py``, ``kernels/ragged.py``)."""
+    if why is not None and any(cb_config.cuda_graph_booleans):
+        logger.warning_once(f"flashinfer_mla: continuous batching runs without CUDA graphs for this {ATTN_NAME} "
+                            f"model: {why}.")
         cb_config.use_cuda_graph = (False, False)
+    if cb_config.use_async_batching:
+        logger.warning_once(
+            f"flashinfer_mla: continuous batching runs without asynchronous batching for {ATTN_NAME} models: the "
+            "host plans each step's paged MLA kernels after the previous step's tokens are known."
+        )
         cb_config.use_async_batching = False
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Seams (``registration.py``): the manager and the paged cache, where Transformers offers no hook
+# Seams (``registration.py``): the kept manager and the paged cache, where Transformers offers no hook
 # ------------------------------------------------------------------------------------------------------------------
-def manager_checked(original):
-    # The manager is built in the caller's thread, before the background loop: the one place where a model continuous
-    # batching cannot serve can raise (the loop turns any error into FAILED requests with empty outputs). It keeps
-    # "flashinfer_mla" as a flash implementation (the name contains "flash") and so turns CUDA graphs on, which the
-    # host-planned paged kernels cannot replay: they are turned off here, with one log line saying why.
-    @functools.wraps(original)
-    def __init__(self, model, *args, **kwargs):
-        refuse_unservable(model)
-        original(self, model, *args, **kwargs)
-        if uses_latent(self.model.config.get_text_config()):
-            disable_graphs(self.continuous_batching_config)
-
-    return __init__
-
-
 def cached_manager_checked(original):
     # A manager kept with persistent_manager=True is handed out again without being built, so its check never runs
     # again: a model switched to another attention since (eager, sdpa) would read the cached latent rows as per-head

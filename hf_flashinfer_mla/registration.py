@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from transformers import AttentionInterface, DynamicCache, PreTrainedConfig, PreTrainedModel, masking_utils
-from transformers.generation.continuous_batching import cache as cb_cache, continuous_api, input_outputs
+from transformers.generation.continuous_batching import cache as cb_cache, continuous_api, input_outputs, model_runner
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -62,8 +62,8 @@ SEAMS = (
          "its boolean copy of the 2D mask would lose the GrowingMask"),
     Seam(_PM, "get_compiled_call", generation.slots_checked_before_compiled_steps, "5.24, 5.25",
          "a compiled step raises for a step its CUDA-graph slots cannot serve"),
-    Seam(_CB.ContinuousBatchingManager, "__init__", paged_cache.manager_checked, "5.24, 5.25",
-         "refuses unservable models in the caller's thread; graphs and async batching off"),
+    Seam(_CB.ContinuousBatchingManager, "__init__", paged_attention.manager_checked, "5.24, 5.25",
+         "refuses unservable models in the caller's thread; decides CUDA graphs; async batching off"),
     Seam(_CB.ContinuousMixin, "init_continuous_batching", paged_cache.cached_manager_checked, "5.24, 5.25",
          "a kept manager is re-checked, its paged cache against the current attention"),
     Seam(cb_cache.PagedAttentionCache, "__init__", paged_cache.latent_paged_cache, "5.24, 5.25",
@@ -73,7 +73,9 @@ SEAMS = (
     Seam(cb_cache, "MLACacheAllocator", paged_cache.latent_or, "5.25",
          "5.25 picks it by name for any config with kv_lora_rank, before the table"),
     Seam(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", paged_attention.paged_steps, "5.24, 5.25",
-         "hands the step's host lengths to the attention, so planning never syncs"),
+         "hands the step's host lengths to the attention, so planning never syncs; reloads graph slots"),
+    Seam(model_runner.ModelRunner, "_get_forward_fn", paged_attention.graphs_for_graphed_steps, "5.24, 5.25",
+         "graphs every padded varlen step: only steps whose metadata is reloaded before replay are captured"),
 )
 
 

@@ -4,7 +4,10 @@ Random weights (nothing is downloaded). `--requests` prompts of random lengths i
 (fixed seed) all arrive at t0; each generates `--new` tokens greedily (EOS off). Modes, in one run:
 
   cb-flashinfer_mla        model.init_continuous_batching() with attn_implementation="flashinfer_mla" (the paged
-                           latent cache of hf_flashinfer_mla.paged), every request added at t0
+                           latent cache of hf_flashinfer_mla.paged_cache), every request added at t0; its decode
+                           steps in CUDA graphs where Transformers turns them on (a CUDA GPU, fa3/fa2 decode)
+  cb-flashinfer_mla-no-graphs
+                           the same with use_cuda_graph=False: every step runs the package's Python per layer
   cb-sdpa                  the same with attn_implementation="sdpa": Transformers' own paging of the MLA latent
                            (its MLACacheAllocator, 5.25+; skipped before), its own defaults for CUDA graphs and
                            asynchronous batching (5.25: both off for sdpa, which needs an attention mask); never
@@ -36,7 +39,7 @@ import torch
 
 import bench_common as bc
 
-MODES = ("cb-flashinfer_mla", "cb-sdpa", "generate-flashinfer_mla", "generate-sdpa")
+MODES = ("cb-flashinfer_mla", "cb-flashinfer_mla-no-graphs", "cb-sdpa", "generate-flashinfer_mla", "generate-sdpa")
 AB_MODES = ("cb-flashinfer_mla-sdpa-prefill",)
 
 
@@ -59,7 +62,7 @@ def progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr)
 
 
-def run_cb(model, attn, prompts, args, device, sdpa_prefill=False) -> dict:
+def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True) -> dict:
     from hf_flashinfer_mla.kernels import ragged
 
     # The A/B switch: with no head dims "supported", paged_attention.py prefills every chunk on SDPA (its fallback).
@@ -67,21 +70,22 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False) -> dict:
     if sdpa_prefill:
         ragged.supported_dims = lambda qk, vo: False
     try:
-        return _run_cb(model, attn, prompts, args, device)
+        return _run_cb(model, attn, prompts, args, device, graphs)
     finally:
         ragged.supported_dims = supported
 
 
-def _run_cb(model, attn, prompts, args, device) -> dict:
+def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model.set_attn_implementation(attn)
     gen = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    # Graphs and asynchronous batching stay Transformers' choice for the attention at hand (recorded below). Its
-    # default switch from sdpa to an installed flash attention is off: cb-sdpa must measure sdpa.
+    # Graphs and asynchronous batching stay Transformers' choice for the attention at hand (recorded below), unless
+    # graphs are turned off. Its default switch from sdpa to an installed flash attention is off: cb-sdpa must
+    # measure sdpa.
     cb = ContinuousBatchingConfig(page_size=args.cb_page_size, max_batch_tokens=args.cb_max_batch_tokens,
                                   max_memory_percent=args.cb_memory, num_blocks=args.cb_num_blocks,
-                                  auto_switch_to_flash=False)
+                                  auto_switch_to_flash=False, use_cuda_graph=None if graphs else False)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     resolved = manager.continuous_batching_config
     setup = {"attn_implementation": model.config._attn_implementation,
@@ -175,8 +179,8 @@ def unpageable(attn: str) -> str | None:
 def run(mode, model, prompts, args, device) -> dict:
     rec = {"mode": mode, "status": "ok"}
     kind, attn = mode.split("-", 1)
-    prefill_ab = attn.endswith("-sdpa-prefill")
-    attn = attn.removesuffix("-sdpa-prefill")
+    prefill_ab, graphs = attn.endswith("-sdpa-prefill"), not attn.endswith("-no-graphs")
+    attn = attn.removesuffix("-sdpa-prefill").removesuffix("-no-graphs")
     why = unpageable(attn) if kind == "cb" else None
     if why:
         return {**rec, "status": "skipped", "message": why}
@@ -185,7 +189,7 @@ def run(mode, model, prompts, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         if kind == "cb":
-            got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab)
+            got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab, graphs=graphs)
             rec.update(got["setup"])
         else:
             got = run_static(model, attn, prompts, args, device)

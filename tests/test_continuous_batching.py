@@ -57,8 +57,8 @@ def steps(monkeypatch):
     seen = []
     original = paged_attention.PagedStep.of_batch
 
-    def of_batch(requests, tokens):
-        step = original(requests, tokens)
+    def of_batch(requests, tokens, *args):
+        step = original(requests, tokens, *args)
         seen.append((step.q_lens.tolist(), step.k_lens.tolist()))
         return step
 
@@ -206,22 +206,28 @@ def test_odd_latent_width_rounds_up():
     assert allocator.row_width == 28 and allocator.bytes_per_page == 4 * 28 * 4
 
 
-def test_cuda_graphs_turned_off_once(caplog):
-    cb = ContinuousBatchingConfig(use_cuda_graph=True)
-    paged_cache.disable_graphs(cb)
-    paged_cache.disable_graphs(ContinuousBatchingConfig(use_cuda_graph=(True, False)))
+def test_graphs_turned_off_once_with_their_reason_and_async_batching_always(caplog):
+    """`resolve_graphs` turns CUDA graphs off only with a reason, said once; asynchronous batching always goes."""
+    cb = ContinuousBatchingConfig(use_cuda_graph=True, use_async_batching=True)
+    paged_cache.resolve_graphs(cb, None)
+    assert cb.cuda_graph_booleans == (True, True) and cb.use_async_batching is False
+    paged_cache.resolve_graphs(cb, "its decode runs on reference")
+    paged_cache.resolve_graphs(ContinuousBatchingConfig(use_cuda_graph=(True, False)), "its decode runs on reference")
     assert cb.cuda_graph_booleans == (False, False)
-    assert len([m for m in package_warnings(caplog) if "without CUDA graphs" in m]) == 1
+    said = package_warnings(caplog)
+    assert len([m for m in said if "without CUDA graphs" in m and "runs on reference" in m]) == 1
+    assert len([m for m in said if "without asynchronous batching" in m]) == 1
 
 
 @pytest.mark.parametrize("asked", [None, True])
-def test_a_manager_built_where_graphs_exist_runs_neither_graphs_nor_async_batching(asked, monkeypatch, caplog):
+def test_a_manager_whose_decode_runs_on_the_reference_runs_neither_graphs_nor_async_batching(asked, monkeypatch,
+                                                                                             caplog):
     """Where a graph backend exists (emulated here: this host has none), Transformers turns CUDA graphs on for a
-    "flash" implementation and asynchronous batching with them, and the package turns graphs off after it: async
-    batching must go too, or the host would plan a step while the GPU may still read the previous one's schedule
-    from FlashInfer's pinned host buffer. Transformers' own resolution decides both on (the fault this guards
-    against); the manager's resolved config has both off, with one warning, whether async was left to Transformers
-    or asked for."""
+    "flash" implementation and asynchronous batching with them. A model whose decode runs on the PyTorch reference
+    (as here: no FlashInfer kernel on this host) is planned on the host every step, so the manager turns graphs off,
+    saying why; async batching goes too, or the host would plan a step while the GPU may still read the previous
+    one's schedule. Transformers' own resolution decides both on (the fault this guards against); the manager's
+    resolved config has both off, whether async was left to Transformers or asked for."""
     from transformers.generation.continuous_batching import initialization
 
     monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
@@ -234,7 +240,9 @@ def test_a_manager_built_where_graphs_exist_runs_neither_graphs_nor_async_batchi
                                              continuous_batching_config=small_cb(use_async_batching=asked))
     ours = manager.continuous_batching_config
     assert ours.cuda_graph_booleans == (False, False) and ours.use_async_batching is False
-    assert len([m for m in package_warnings(caplog) if "without asynchronous batching" in m]) == 1
+    said = package_warnings(caplog)
+    assert len([m for m in said if "without asynchronous batching" in m]) == 1
+    assert len([m for m in said if "without CUDA graphs" in m and "runs on reference" in m]) == 1
 
 
 def test_forward_without_prepared_step_reads_lengths(monkeypatch):

@@ -101,7 +101,7 @@ def test_mixed_step_kernel_against_reference(fake_hopper):
     outs = {}
     for backend in ("fa3", "reference"):
         step = paged_attention.PagedStep(q_lens, k_lens, tokens)
-        step.start(table, 0)
+        step.start(table)
         q_lat, q_pe = absorb_query(query[:, :, step.cu_q[step.decode]], attn.qk_nope_head_dim, weights)
         route = step.route(backend, step.layer_of(q_lat, kv, rot, 0.3), backend, False)
         assert route.backend == backend

@@ -391,8 +391,10 @@ def fixed(backend: str, layer, batch: int, q_len: int) -> FaMetadata:
 
 
 def _rebuild_fixed(meta: FaMetadata, step, layer, staged: Staged | None) -> FaMetadata:
-    rows = step.rows()
+    rows, pages = step.rows(), step.pages
     try:
+        if pages is not None and meta.engine is None:
+            raise Refused("continuous batching's steps in CUDA graphs run on FlashInfer's generated module only")
         if meta.engine is None:
             indices = rows.kv_indices(layer.pitch, layer.device)
             wrapper_plan(meta.wrapper, rows, indices, meta.causal, layer)
@@ -404,13 +406,15 @@ def _rebuild_fixed(meta: FaMetadata, step, layer, staged: Staged | None) -> FaMe
         else:
             # (not `addressing`: its identity lives for the process, and this may run during CUDA-graph warm-up,
             # whose allocations belong to the graph's pool; the slot's own indices are the identity)
-            plan_info = meta.engine.plan(rows, rows.page_offsets(layer.pitch), meta.causal, meta.int_workspace)
+            offsets = rows.page_offsets(layer.pitch) if pages is None else pages.indptr()
+            plan_info = meta.engine.plan(rows, offsets, meta.causal, meta.int_workspace)
             layout = tuple(plan_info)
     except Refused as exc:
         # The slot's shape was admitted by `refusal_for_every_step`; a refusal means FlashInfer changed its rules.
         raise RuntimeError(f"FlashInfer refused a CUDA-graph decode plan it was expected to accept: {exc}. "
                            "Run without CUDA graphs (generate(..., disable_compile=True)).") from None
-    _set_indices(meta, None if rows.first is not None else rows.kv_indices(layer.pitch, layer.device))
+    if pages is None:  # (a paged step's indices are the step's read indices, which its route passes on)
+        _set_indices(meta, None if rows.first is not None else rows.kv_indices(layer.pitch, layer.device))
     if meta.layout is None:
         meta.plan_info, meta.layout = plan_info, layout
     elif layout != meta.layout:

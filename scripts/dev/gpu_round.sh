@@ -19,8 +19,9 @@
 #   bash scripts/dev/gpu_round.sh depth        # the same 32 x 4k generate() cell at DeepSeek-V3's 61 layers
 #   bash scripts/dev/gpu_round.sh serving      # 256 requests at once, DeepSeek-V2-Lite: continuous batching against
 #                                              # static generate() batches (bench_serving.py)
-#   bash scripts/dev/gpu_round.sh serving-cb   # continuous batching against Transformers' own (sdpa over its paged
-#                                              # MLA cache), DeepSeek-V2-Lite and the V3 shape, 256 and 16 requests
+#   bash scripts/dev/gpu_round.sh serving-cb   # continuous batching with and without CUDA graphs against
+#                                              # Transformers' own (sdpa over its paged MLA cache), DeepSeek-V2-Lite
+#                                              # and the V3 shape: serving-cb16 (16 requests), serving-cb256 (256)
 #   bash scripts/dev/gpu_round.sh serving-v3   # the same on the V3 attention shape, with the SDPA-prefill A/B
 #   bash scripts/dev/gpu_round.sh sparse       # DeepSeek-V3.2's attention with its indexer: the eager-mode grid,
 #                                              # batch 1/8/32 x 8k-128k, then 160k at batch 32
@@ -68,7 +69,8 @@ devkit() {
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
-MODES="suite host grid kernel generate depth serving serving-cb serving-v3 sparse fp8 tp tp-bench bench"
+MODES="suite host grid kernel generate depth serving serving-cb serving-cb16 serving-cb256 serving-v3 sparse fp8"
+MODES="$MODES tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
   case " $MODES " in *" $m "*) ;; *) echo "gpu_round.sh: unknown mode '$m' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -163,13 +165,26 @@ mode_serving() {
 }
 
 mode_serving_cb() {
-  local m limits=(deepseek-v2-lite 60 130 deepseek-v3-attn 40 75) i
-  for i in 0 3; do
+  mode_serving_cb16
+  mode_serving_cb256
+}
+
+# Continuous batching with and without CUDA graphs against Transformers' own on sdpa, one process per model and load.
+mode_serving_cb16() {
+  local m
+  for m in deepseek-v2-lite deepseek-v3-attn; do
+    run 150 python3 scripts/bench_serving.py --model $m --requests 16 --no-progress --out "$D" \
+      --modes cb-flashinfer_mla cb-flashinfer_mla-no-graphs cb-sdpa --name "serving_cb_${m}_16.json"
+  done
+  show 40
+}
+
+mode_serving_cb256() {
+  local m limits=(deepseek-v2-lite 250 deepseek-v3-attn 200) i
+  for i in 0 2; do
     m=${limits[$i]}
-    run "${limits[$((i + 1))]}" python3 scripts/bench_serving.py --model $m --requests 16 --no-progress --out "$D" \
-      --modes cb-flashinfer_mla cb-sdpa --name "serving_cb_${m}_16.json"
-    run "${limits[$((i + 2))]}" python3 scripts/bench_serving.py --model $m --no-progress --out "$D" \
-      --modes cb-flashinfer_mla cb-sdpa --name "serving_cb_${m}_256.json"
+    run "${limits[$((i + 1))]}" python3 scripts/bench_serving.py --model $m --no-progress --out "$D" \
+      --modes cb-flashinfer_mla cb-flashinfer_mla-no-graphs cb-sdpa --name "serving_cb_${m}_256.json"
   done
   show 40
 }

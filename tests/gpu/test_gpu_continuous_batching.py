@@ -56,7 +56,7 @@ def _mixed_step(heads, seed=0):
 def _run(backend, heads, case, scale):
     q_lens, k_lens, table, q_lat, q_pe, kv, rot = case
     step = paged_attention.PagedStep(q_lens, k_lens, int(q_lens.sum()))
-    step.start(table, 0)
+    step.start(table)
     route = step.route(backend, step.layer_of(q_lat, kv, rot, scale), backend, False)
     assert route.backend == backend
     return route.run(q_lat, q_pe, kv, rot)
@@ -161,3 +161,63 @@ def test_generate_batch_on_kernel_against_reference(monkeypatch):
     first = sum(a[:4] == b[:4] for a, b in zip(results[backend], results["reference"]))
     print(f"{backend}: {same}/{len(prompts)} requests identical to the reference backend, {first} on 4 tokens")
     assert first >= len(prompts) - 1 and same >= len(prompts) // 2  # bf16 near-ties may split a few late tokens
+
+
+def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
+    """Continuous batching with Transformers' CUDA graphs on the kernel: each padded decode shape is captured once
+    and replayed, its schedule reloaded before every replay, and the tokens agree with the reference backend (which
+    runs without graphs) as the uncompiled kernel's do. Control: with the reload skipped, replays run a stale
+    schedule and the tokens change."""
+    from transformers.generation.continuous_batching import input_outputs
+
+    backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
+    _available(backend, 16)
+    model = _v3_shaped("flashinfer_mla")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (5, 300, 17, 1200, 64, 9, 700, 33)]
+    new = [24, 9, 30, 16, 5, 27, 12, 20]  # requests finish at different steps: graphs replay other compositions
+    graphed, keys, replays = [], [], []  # (requests, padded rows) of each graphed step; captured keys; replays
+    prepare, set_graph = paged_attention.prepare_step, input_outputs.ContinuousBatchingIOs.set_graph
+    replay = torch.cuda.CUDAGraph.replay
+
+    def prepare_step(io):
+        prepare(io)
+        step = next(iter(io.cache.cache_allocators.values())).step
+        if step.graphed:
+            graphed.append((step.requests, step.batch))
+
+    monkeypatch.setattr(paged_attention, "prepare_step", prepare_step)
+    monkeypatch.setattr(input_outputs.ContinuousBatchingIOs, "set_graph",
+                        lambda self, graph: keys.append(self._get_graph_key()) or set_graph(self, graph))
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or replay(self))
+
+    def run(requested, graphs=True):
+        monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", requested)
+        cb = ContinuousBatchingConfig(page_size=64, num_blocks=256, max_batch_tokens=512, max_requests_per_batch=8,
+                                      q_padding_interval_size=8, use_cuda_graph=True if graphs else False)
+        manager = model.init_continuous_batching(generation_config=GenerationConfig(
+            do_sample=False, eos_token_id=-1, pad_token_id=0), continuous_batching_config=cb)
+        manager.start()
+        try:
+            ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, new)]
+            outs = {o.request_id: o for o in (manager.get_result(timeout=120) for _ in ids)}
+        finally:
+            manager.stop(block=True, timeout=60)
+            model.destroy_cached_continuous_batching_manager()
+        assert all(o.error is None for o in outs.values())
+        return [outs[i].generated_tokens for i in ids]
+
+    in_graphs = run(backend)
+    assert keys and replays and len(set(keys)) == len(keys), "each shape is captured once"
+    assert len(replays) > len(keys) and any(n < t for n, t in graphed) and len({n for n, _ in graphed}) >= 2
+    uncompiled, reference = run(backend, graphs=False), run("reference")
+    agree = [sum(a[:4] == b[:4] for a, b in zip(x, reference)) for x in (in_graphs, uncompiled)]
+    print(f"{backend}: first 4 tokens as the reference's: in graphs {agree[0]}/8, without {agree[1]}/8; "
+          f"{len(keys)} graphs, {len(replays)} replays")
+    assert agree[0] >= len(prompts) - 1
+
+    skipped = []
+    from hf_flashinfer_mla.kernels import graphs as slots
+    monkeypatch.setattr(slots.GraphSlot, "load", lambda self, step, staged=None: skipped.append(1))
+    stale = run(backend)
+    assert skipped and sum(a != b for a, b in zip(stale, in_graphs)) >= 2

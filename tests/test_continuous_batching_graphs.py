@@ -1,0 +1,136 @@
+"""Continuous batching in CUDA graphs, on the CPU: Transformers' graph capture emulated (`emulated_graphs`), the
+fa3/fa2 kernels through the FlashInfer stand-in (``fake_flashinfer.py``).
+
+Transformers pads every step to a graph's shape (query tokens to an interval, fake sequences of no tokens) and
+captures each shape once; the package lets it capture the steps in which every request decodes, whose schedule it
+reloads into the graph slots' fixed buffers before each replay (``paged_attention.prepare_step``). A replay runs no
+Python: here a "replay" runs the captured forward again and checks that the package planned nothing meanwhile, so
+the kernels read only what the reload wrote."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fake_flashinfer import FakeMLAModule, fake_hopper  # noqa: F401  (fixture)
+from helpers import make_model, package_warnings
+from hf_flashinfer_mla import paged_attention
+from hf_flashinfer_mla.kernels import graphs
+from test_continuous_batching import eager_tokens, greedy, prompts, small_cb
+
+LENGTHS = (5, 3, 9, 2, 7, 4)
+
+
+class FakeGraph:
+    """A forward captured by Transformers' model runner, "replayed" by running it again on the inputs it was
+    captured with (Transformers rewrites them in place before each replay) while the stand-in counts plans and
+    records its launches: a replayed graph runs no Python, so the package may plan nothing during one, and it
+    relaunches the captured kernels on operands of the captured shapes."""
+
+    def __init__(self, forward, args, modules, launches):
+        self.forward, self.args, self.modules, self.launches = forward, args, modules, launches
+        self.replays = 0
+        launches.clear()
+        forward(*args)  # the captured forward
+        self.captured = list(launches)
+
+    def reset(self) -> None:  # (Transformers' graph buffer resets the graphs it drops)
+        pass
+
+    def _plans(self) -> int:
+        return sum(len(m.plans) for m in self.modules.values())
+
+    def replay(self) -> None:
+        before = self._plans()
+        self.launches.clear()
+        self.forward(*self.args)
+        assert self._plans() == before, "the package planned a kernel during a CUDA-graph replay"
+        assert self.launches == self.captured, "a replay launched other kernels or shapes than its capture"
+        self.replays += 1
+
+
+@pytest.fixture
+def emulated_graphs(fake_hopper, monkeypatch):
+    """Transformers' continuous batching with CUDA graphs on this host (which has no graph backend): its own padding,
+    graph keys and replays; its capture (a warm-up forward, then the captured one) keeps the forward as a `FakeGraph`.
+    Returns the graphs made, and the steps the package prepared (graphed, real requests, query tokens)."""
+    from transformers.generation.continuous_batching import initialization, model_runner
+
+    monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
+    monkeypatch.setattr(model_runner, "get_memory_pools", lambda: (None, None))
+    made, prepared, launches = [], [], []
+    run = FakeMLAModule.run
+
+    def launch(self, *args):
+        launches.append((self.backend, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+        return run(self, *args)
+
+    def capture(self, forward_fn, compute_stream, *args):
+        forward_fn(*args)  # warm-up, as Transformers' own capture
+        graph = FakeGraph(forward_fn, args, fake_hopper.modules, launches)
+        self.inputs_and_outputs.set_graph(graph)
+        made.append(graph)
+
+    original = paged_attention.prepare_step
+
+    def prepare_step(io):
+        original(io)
+        step = next(a.step for a in io.cache.cache_allocators.values() if hasattr(a, "step"))
+        prepared.append((step.graphed, step.requests, step.tokens))
+
+    monkeypatch.setattr(FakeMLAModule, "run", launch)
+    monkeypatch.setattr(model_runner.ModelRunner, "_capture_graph", capture)
+    monkeypatch.setattr(paged_attention, "prepare_step", prepare_step)
+    return made, prepared
+
+
+def _padded_cb():
+    # Query tokens padded to multiples of 3 (decode graphs of 3 and 6 rows for up to 4 requests), past rows to 8s.
+    return small_cb(q_padding_interval_size=3, kv_padding_interval_size=8)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2"])
+def test_decode_steps_replay_cuda_graphs_with_the_tokens_of_eager(emulated_graphs, fake_hopper, monkeypatch,
+                                                                  backend):
+    """Requests of several lengths join and finish between replays: the steps where every request decodes are
+    captured once per shape and replayed with padded query rows and key lengths, the others run uncompiled on the
+    same padded inputs, and every request's tokens equal eager generate()'s."""
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", backend)
+    made, prepared = emulated_graphs
+    model = make_model("deepseek_v3")
+    batch = prompts(LENGTHS)
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=_padded_cb())
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    graphed = [(n, t) for g, n, t in prepared if g]
+    assert made and sum(g.replays for g in made) > 0  # captured, then replayed
+    assert len({t for _, t in graphed}) >= 2  # several graph shapes
+    assert any(n < t for n, t in graphed)  # padding rows
+    assert len({n for n, _ in graphed}) >= 2  # requests joined or finished between graphed steps
+    assert any(not g for g, _, _ in prepared)  # prefill steps ran uncompiled
+    assert {key[0] for key in graphs._slots if key[4] is None} == {backend}
+
+
+def test_graph_control_skipped_reload_changes_tokens(emulated_graphs, fake_hopper, monkeypatch):
+    """Control: with the slots' reload before a replay skipped, the graphs replay a previous step's schedule and the
+    tokens change; the fault is shown to have been applied."""
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "fa3")
+    skipped = []
+    monkeypatch.setattr(graphs.GraphSlot, "load", lambda self, step, staged=None: skipped.append(step))
+    model = make_model("deepseek_v3")
+    batch = prompts(LENGTHS)
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=_padded_cb())
+    assert skipped and sum(g.replays for g in emulated_graphs[0]) > 0
+    assert [o.generated_tokens for o in out.values()] != eager_tokens(model, batch)
+
+
+def test_a_model_on_the_reference_runs_without_graphs_saying_why(emulated_graphs, monkeypatch, caplog):
+    """A decode the package plans on the host every step (here the reference backend, asked for) is never captured:
+    graphs go, with one warning naming why, and the tokens are eager's."""
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "reference")
+    made, prepared = emulated_graphs
+    model = make_model("deepseek_v3")
+    batch = prompts(LENGTHS[:3])
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=_padded_cb())
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    assert prepared and not made and not any(g for g, _, _ in prepared)
+    assert [m for m in package_warnings(caplog) if "without CUDA graphs" in m and "runs on reference" in m]
