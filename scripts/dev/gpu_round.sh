@@ -69,8 +69,8 @@ devkit() {
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
-MODES="suite host grid kernel generate depth serving serving-cb serving-cb16 serving-cb256 serving-v3 sparse fp8"
-MODES="$MODES tp tp-bench bench"
+MODES="suite host grid kernel generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb-sdpa256"
+MODES="$MODES serving-v3 sparse fp8 tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
   case " $MODES " in *" $m "*) ;; *) echo "gpu_round.sh: unknown mode '$m' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -186,6 +186,16 @@ mode_serving_cb256() {
     run "${limits[$((i + 1))]}" python3 scripts/bench_serving.py --model $m --no-progress --out "$D" \
       --modes cb-flashinfer_mla cb-flashinfer_mla-no-graphs cb-sdpa --name "serving_cb_${m}_256.json"
   done
+  show 40
+}
+
+# Transformers' own continuous batching on sdpa alone at 256 requests (its longest run), and the decode-only step
+# at 64 requests x 4k in CUDA graphs against its bandwidth floor.
+mode_serving_cb_sdpa256() {
+  run 330 python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D" --modes cb-sdpa \
+    --name serving_cb_deepseek-v2-lite_256_sdpa.json
+  run 90 python3 scripts/bench_decode.py --graphs --batch 64 --context 4096 --attn flashinfer_mla --steps 10 \
+    --time-limit 70 --out "$D" --name decode_graphs_b64_4k.json
   show 40
 }
 
