@@ -98,6 +98,8 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
         pending = set(ids)
         with progress(len(ids), f"cb-{attn}", args.progress) as bar:
             while pending:
+                if args.cb_time_limit and time.perf_counter() - t0 > args.cb_time_limit:
+                    break  # (reported as "time-limit", with the requests finished by then)
                 out = manager.get_result(timeout=1)
                 if out is None:
                     if not manager.is_running():
@@ -121,7 +123,8 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
         # Nothing kept on the model: the next cb mode builds its own manager, and with it a paged cache laid out for
         # its attention (flashinfer_mla's latent rows and Transformers' MLA rows are not interchangeable).
         model.destroy_cached_continuous_batching_manager()
-    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl, "setup": setup}
+    setup["finished_requests"] = len(ids) - len(pending)
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl, "setup": setup, "cut": bool(pending)}
 
 
 class StepTimes:
@@ -191,6 +194,10 @@ def run(mode, model, prompts, args, device) -> dict:
         if kind == "cb":
             got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab, graphs=graphs)
             rec.update(got["setup"])
+            if got["cut"]:  # not every request finished: no throughput, only what finished within the limit
+                return {**rec, "status": "time-limit", "wall_s": got["wall_s"], "output_tokens": got["tokens"],
+                        "message": f"{rec['finished_requests']} of {len(prompts)} requests finished within "
+                                   f"--cb-time-limit {args.cb_time_limit} s"}
         else:
             got = run_static(model, attn, prompts, args, device)
         rec.update(
@@ -224,6 +231,8 @@ def parse_args(argv=None):
     p.add_argument("--cb-max-batch-tokens", type=int, default=None, help="default: Transformers' (8192)")
     p.add_argument("--cb-memory", type=float, default=None, help="max_memory_percent (default: Transformers')")
     p.add_argument("--cb-num-blocks", type=int, default=None)
+    p.add_argument("--cb-time-limit", type=float, default=None,
+                   help="stop waiting for a cb mode's requests after this many seconds (status time-limit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
     p.add_argument("--device", default="cuda")
