@@ -147,15 +147,27 @@ def prepare_step(io) -> None:
     in a CUDA graph where Transformers captures them (`graphed`): the graph slots of its batch are reloaded here
     with its schedule, on the stream the graph replays on, since a replay runs no Python."""
     requests, tokens = io.requests_in_batch, io.num_q_tokens
-    graphed = (getattr(io, "use_cuda_graph_varlen", False) and not io.use_block_table
+    decodes = (getattr(io, "use_cuda_graph_varlen", False) and not io.use_block_table
                and all(fs.query_length == 1 for fs in requests) and _fits_one_graph(io, tokens))
     for allocator in io.cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
+            graphed = decodes and _graphs_still_hold(allocator)
             allocator.step = step = PagedStep.of_batch(requests, tokens, page_rows(allocator), graphed)
             if graphed:
                 with stream_context(io.compute_stream):
                     for _, slot in graphs.slots_for(step.batch, 1, None):
                         slot.load(step)
+
+
+def _graphs_still_hold(allocator: LatentAllocator) -> bool:
+    """Whether the layers that ran in this cache's graphs still run as captured. A PEFT adapter put on a kv_b_proj
+    since (a persistent manager outlives the check at its creation, `graph_refusal`) would never reach a replay,
+    which runs the captured kernels only: the cache's steps then run without graphs, after one warning."""
+    if allocator.graphs_refused is None and any(adapters.is_lora(m.kv_b_proj) for m in allocator.graphed_layers):
+        allocator.graphs_refused = "a PEFT adapter was put on kv_b_proj after its graphs were captured"
+        logger.warning_once(f"flashinfer_mla: continuous batching's steps run without CUDA graphs from now on: "
+                            f"{allocator.graphs_refused}.")
+    return allocator.graphs_refused is None
 
 
 def page_rows(allocator: LatentAllocator) -> int:
@@ -190,6 +202,8 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
     scale = scaling if scaling is not None else module.qk_head_dim**-0.5
     h, t = query.shape[1], query.shape[2]
     weights = absorbed_weights(module, query.dtype) if len(step.decode) else None
+    if step.graphed:
+        allocator.graphed_layers.add(module)  # (warm-up and capture only: a replay runs no Python)
     if step.graphed and weights is None:
         raise RuntimeError(f"flashinfer_mla: layer {module.layer_idx} can no longer absorb kv_b_proj, which a "
                            "continuous-batching step in a CUDA graph needs; run generate_batch with "

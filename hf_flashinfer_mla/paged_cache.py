@@ -71,6 +71,8 @@ class LatentAllocator(FullAttentionCacheAllocator):
         self.rank, self.rope = config.kv_lora_rank, config.qk_rope_head_dim
         self.row_width = 2 * self.head_dim  # the sizing view's head_dim: rank + rope, rounded up to even
         self.step = None  # the step being prepared or run (``paged_attention.PagedStep``)
+        self.graphed_layers = weakref.WeakSet()  # attention modules captured in CUDA graphs over this cache
+        self.graphs_refused: str | None = None  # why its steps no longer run in graphs (``paged_attention``)
         self.prefill_wrappers = ragged.Wrappers()  # FlashInfer's ragged prefill, planned per step
 
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:

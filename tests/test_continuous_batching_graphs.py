@@ -134,3 +134,27 @@ def test_a_model_on_the_reference_runs_without_graphs_saying_why(emulated_graphs
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
     assert prepared and not made and not any(g for g, _, _ in prepared)
     assert [m for m in package_warnings(caplog) if "without CUDA graphs" in m and "runs on reference" in m]
+
+
+def test_an_adapter_put_on_after_capture_turns_the_graphs_off(emulated_graphs, monkeypatch, caplog):
+    """A persistent manager outlives the check made at its creation: a PEFT LoRA put on kv_b_proj after its graphs
+    were captured would never reach a replay (it runs the captured kernels only). Its steps run without graphs from
+    then on, after one warning, and give the tokens of eager generate() with the adapter."""
+    peft = pytest.importorskip("peft")
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "fa3")
+    made, prepared = emulated_graphs
+    model = make_model("deepseek_v3")
+    batch = prompts(LENGTHS[:4], seed=4)  # (other prompts than the first run's: none of its cached blocks is reused)
+    kept = dict(generation_config=greedy(), continuous_batching_config=_padded_cb(), persistent_manager=True)
+    try:
+        model.generate_batch(prompts(LENGTHS[:4]), **kept)
+        assert made and any(g for g, _, _ in prepared)
+        peft.inject_adapter_in_model(peft.LoraConfig(target_modules=["kv_b_proj"], r=4, lora_alpha=8,
+                                                     init_lora_weights=False), model)
+        prepared.clear()
+        out = model.generate_batch(batch, **kept)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    assert prepared and not any(g for g, _, _ in prepared)
+    assert [m for m in package_warnings(caplog) if "without CUDA graphs from now on" in m]
