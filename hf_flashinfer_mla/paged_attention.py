@@ -64,7 +64,6 @@ class PagedStep(Routing):
         self.q_lens, self.k_lens = q_lens, k_lens  # [B] int64, host
         self.kv_offsets = torch.zeros(self.batch + 1, dtype=torch.long)
         self.kv_offsets[1:] = k_lens.cumsum(0)
-        offsets = self.kv_offsets
         self.tokens = tokens  # query tokens of the forward, padding included
         self.started = False  # a forward has run on it
         self.prefill_groups: dict[tuple, list] = {}  # the prefill chunks' ragged-prefill groups, planned per shape
@@ -77,7 +76,7 @@ class PagedStep(Routing):
         self.chunks = (q_lens > 1).nonzero().flatten().tolist()
         self._rows = Rows(k_lens[self.decode].to(torch.int32), 1, None)
         # (the read indices, on the device, are the forward's: `start`)
-        self.pages = PageTable(offsets[self.decode], None, int(offsets[-1]), page_rows)
+        self.pages = PageTable(self.kv_offsets[self.decode], None, int(self.kv_offsets[-1]), page_rows)
 
     @property
     def batch(self) -> int:
