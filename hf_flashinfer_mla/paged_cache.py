@@ -20,6 +20,7 @@ The attention over these rows is ``paged_attention.py``; this module also holds 
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 
 import torch
@@ -34,6 +35,7 @@ from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, ch
 logger = logging.get_logger("hf_flashinfer_mla")
 
 _ALLOCATOR_ATTR = "_flashinfer_mla_paged"  # on the paged cache's root tensor: the `LatentAllocator` that owns it
+_WEIGHTS_ATTR = "_flashinfer_mla_weights"  # on a latent manager: `weights_seen` when it was last handed out
 
 
 def uses_latent(config) -> bool:
@@ -205,6 +207,37 @@ def refuse_kept_cache(model, manager) -> None:
     )
 
 
+def weights_seen(model) -> tuple:
+    """What the rows of a cached prompt block depend on: every parameter and buffer (the tensor, its storage, its
+    version, which in-place writes and ``load_state_dict`` move), each PEFT layer's switches and scaling, and its
+    adapters' values (PEFT's hot-swap copies new factors in through ``.data``, which moves no version)."""
+    tensors = [(id(t), t.data_ptr(), t._version) for t in (getattr(t, "_local_tensor", t) for t in
+                                                           itertools.chain(model.parameters(), model.buffers()))]
+    switches, sums = [], {}
+    for module in model.modules():
+        if "base_layer" in module._modules and hasattr(module, "merged_adapters"):
+            switches.append((tuple(module.active_adapters), module.disable_adapters, tuple(module.merged_adapters),
+                             repr(getattr(module, "scaling", None))))
+            for name, p in module.named_parameters():
+                if not name.startswith("base_layer."):
+                    sums.setdefault(p.device, []).append(p.detach().float().square().sum() + p.detach().sum())
+    return tensors, switches, [torch.stack(s).tolist() for s in sums.values()]  # (one copy per device)
+
+
+def forget_stale_prefixes(model, manager) -> None:
+    """Drop the prompt blocks a kept manager cached for reuse (prefix sharing) if the model's weights changed since
+    they were written: a block's latent rows at layer ``i > 0`` come out of layers ``0..i-1``, so a reused block
+    would give a request another model's past, and other tokens, silently."""
+    seen, kept = weights_seen(model), getattr(manager, _WEIGHTS_ATTR, None)
+    setattr(manager, _WEIGHTS_ATTR, seen)
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    if kept is None or kept == seen or cache is None:
+        return
+    if cache.evict_cached_blocks():
+        logger.info("flashinfer_mla: the model's weights or adapters changed since its kept continuous-batching "
+                    "manager cached prompt blocks; those blocks are dropped and their prompts prefilled again.")
+
+
 def resolve_graphs(cb_config, why: str | None) -> None:
     """Continuous batching without asynchronous batching, and without CUDA graphs where `why` says why not (each
     said once). Transformers turns asynchronous batching on with the graphs; it would have the host plan a step
@@ -230,14 +263,18 @@ def cached_manager_checked(original):
     # again: a model switched to another attention since (eager, sdpa) would read the cached latent rows as per-head
     # keys and values and return wrong tokens. The check runs here too.
     # The manager also keeps its paged cache, built for the attention of its first run: from 5.25, where eager and
-    # sdpa page the latent too, that is checked as well (refuse_kept_cache).
+    # sdpa page the latent too, that is checked as well (refuse_kept_cache). Its cached prompt blocks hold the latent
+    # rows of the weights of the moment: they are dropped once the weights change (forget_stale_prefixes).
     @functools.wraps(original)
     def init_continuous_batching(self, *args, **kwargs):
         manager = getattr(self, "_cached_continuous_batching_manager", None)
         if manager is not None:
             refuse_unservable(self)
             refuse_kept_cache(self, manager)
-        return original(self, *args, **kwargs)
+        manager = original(self, *args, **kwargs)
+        if uses_latent(self.config.get_text_config()):
+            forget_stale_prefixes(self, manager)
+        return manager
 
     return init_continuous_batching
 

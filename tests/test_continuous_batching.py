@@ -320,6 +320,86 @@ def test_a_persistent_manager_built_on_sdpa_refuses_a_switch_to_flashinfer_mla()
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
 
 
+def _lora(model, target="kv_a_proj_with_mqa"):
+    peft = pytest.importorskip("peft")
+    peft.inject_adapter_in_model(peft.LoraConfig(target_modules=[target], r=4, lora_alpha=8,
+                                                 init_lora_weights=False), model)
+
+
+def _lora_layers(model):
+    return [m for m in model.modules() if "base_layer" in m._modules]
+
+
+def _hot_swap(model):  # as PEFT's hotswap_adapter writes new factors: through .data, no version moves
+    g = torch.Generator().manual_seed(9)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+WEIGHT_CHANGES = {  # (adapter before the first run, the change between runs)
+    "weight written in place": (False, lambda m: m.model.layers[0].mlp.down_proj.weight.mul_(3.0)),
+    "weights loaded": (False, lambda m: m.load_state_dict({"model.layers.0.mlp.down_proj.weight":
+                                                            torch.randn_like(m.model.layers[0].mlp.down_proj.weight)},
+                                                           strict=False)),
+    "adapter injected": (False, _lora),
+    "adapter hot-swapped": (True, _hot_swap),
+    "adapters disabled": (True, lambda m: [layer.enable_adapters(False) for layer in _lora_layers(m)]),
+}
+
+
+def _kept_runs(model, batch, change, monkeypatch):
+    """Three generate_batch calls on one kept manager (the same prompts, whose blocks it caches), the weights changed
+    before the third: the tokens and the prefix-matched token counts of the second and third."""
+    matched = []
+    search = PagedAttentionCache.search_prefix_match
+
+    def search_prefix_match(self, *args):
+        matched.append(search(self, *args))
+        return matched[-1]
+
+    monkeypatch.setattr(PagedAttentionCache, "search_prefix_match", search_prefix_match)
+    kept = dict(generation_config=greedy(), continuous_batching_config=small_cb(), persistent_manager=True)
+    try:
+        model.generate_batch(batch, **kept)
+        matched.clear()
+        again = [o.generated_tokens for o in model.generate_batch(batch, **kept).values()]
+        reused, matched[:] = list(matched), []
+        with torch.no_grad():
+            change(model)
+        after = [o.generated_tokens for o in model.generate_batch(batch, **kept).values()]
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    return again, reused, after, list(matched)
+
+
+@pytest.mark.parametrize("change", list(WEIGHT_CHANGES))
+def test_a_persistent_manager_drops_its_cached_prompt_blocks_once_the_weights_change(change, monkeypatch):
+    """A kept manager caches its requests' full prompt blocks for reuse (prefix sharing). A block's latent rows at
+    layer i > 0 come out of layers 0..i-1, so after the weights or adapters change (a write, load_state_dict, an
+    adapter injected, PEFT's hot-swap through ``.data``, adapters switched off) reusing it gives other tokens. The
+    blocks are dropped then, and reused while nothing changed."""
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    adapter_first, write = WEIGHT_CHANGES[change]
+    if adapter_first:
+        _lora(model)
+    batch = prompts((9, 14))
+    expected = eager_tokens(model, batch)
+    again, reused, after, matched = _kept_runs(model, batch, write, monkeypatch)
+    assert again == expected and sum(reused) >= 8  # (unchanged weights: both prompts' full blocks were shared)
+    assert after == eager_tokens(model, batch) != expected and sum(matched) == 0
+
+
+def test_a_kept_manager_reusing_stale_prompt_blocks_gives_other_tokens(monkeypatch):
+    """Control of the test above: with the blocks kept after a weight change, they are reused and the tokens differ
+    from eager's."""
+    monkeypatch.setattr(paged_cache, "forget_stale_prefixes", lambda model, manager: None)
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    batch = prompts((9, 14))
+    _, _, after, matched = _kept_runs(model, batch, WEIGHT_CHANGES["weight written in place"][1], monkeypatch)
+    assert sum(matched) >= 8 and after != eager_tokens(model, batch)
+
+
 def test_the_allocator_table_is_never_swapped_while_an_mla_cache_is_built(monkeypatch):
     """Transformers reads its module-level allocator table from any thread (a manager being built for another model
     reads ``supports_block_table`` off it). While an MLA model's paged cache is being built, the table's entry stays
