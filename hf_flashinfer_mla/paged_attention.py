@@ -16,7 +16,6 @@ Under continuous batching the attention function receives every request's query 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -35,9 +34,10 @@ from .rows import PageTable, Rows, to_device
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
-# The backends whose continuous-batching decode runs in CUDA graphs: their schedule is reloaded into fixed buffers
-# before each replay (FlashInfer's generated fa2/fa3 module, ``kernels/fa.py``).
-GRAPHED_BACKENDS = ("fa3", "fa2")
+# The backends whose continuous-batching decode runs in CUDA graphs: a step's metadata is reloaded into a slot's
+# fixed buffers before each replay (fa2/fa3 through FlashInfer's generated module, ``kernels/fa.py``; trtllm-gen and
+# cute-dsl where Transformers' pages hold 32-row pages, ``kernels/trtllm.py``).
+GRAPHED_BACKENDS = ("fa3", "fa2", "trtllm-gen", "cute-dsl")
 
 
 class PagedStep(Routing):
@@ -111,7 +111,7 @@ class PagedStep(Routing):
         self.pages.indices, self.pages._typed = source, {}
         if self.graphed:
             # (all of them: the captured conversion must cover the longest step its graph replays, not this one)
-            self.pages._typed[torch.int32] = source.to(torch.int32)
+            self.pages._typed = {torch.int32: source.to(torch.int32), torch.long: source.long()}
             self.routes.clear()
 
     def route(self, key: tuple, layer: Layer, requested: str, grad: bool) -> Route:
@@ -124,9 +124,8 @@ class PagedStep(Routing):
             raise RuntimeError(f"flashinfer_mla: a continuous-batching step in a CUDA graph routed to {backend}, "
                                f"which it cannot replay; pass continuous_batching_config=ContinuousBatchingConfig("
                                "use_cuda_graph=False) to generate_batch or init_continuous_batching.")
-        # The slot's schedule (reloaded before each replay, `prepare_step`) with this forward's page indices.
-        meta = dataclasses.replace(slot.meta, kv_indices=self.pages.typed(torch.int32))
-        self.routes[key] = Route(backend, layer, meta)
+        # The slot's metadata (reloaded before each replay, `prepare_step`) with this forward's page addressing.
+        self.routes[key] = Route(backend, layer, FAMILIES[backend].replayed(slot.meta, self.pages))
         return self.routes[key]
 
     # ------------------------------------------------------------------------------------------- what builders read
@@ -176,7 +175,8 @@ def page_rows(allocator: LatentAllocator) -> int:
 
 def _fits_one_graph(io, tokens: int) -> bool:
     """Whether FlashInfer's scheduler accepts every decode step of `tokens` rows (its work-item capacity), so that a
-    graph captured on fa3/fa2 never meets a step it declines (``kernels/fa.py`` `refusal_for_every_step`)."""
+    graph captured on fa3/fa2 never meets a step it declines (``kernels/fa.py`` `refusal_for_every_step`). trtllm-gen
+    has no such bound; its steps are held to fa's, which only leaves larger ones uncompiled."""
     heads = io.config.get_text_config().num_attention_heads
     sms = torch.cuda.get_device_properties(io.device).multi_processor_count if io.device.type == "cuda" else 132
     return fa.work_items_bound(tokens, 1, heads, sms) <= fa.MAX_WORK_ITEMS
@@ -282,8 +282,9 @@ def _prefill_groups(allocator, step: PagedStep, pending: list[int], module, quer
     return groups
 
 
-def graph_refusal(model) -> str | None:
-    """Why `model`'s continuous-batching decode steps cannot run in CUDA graphs (None: they can). A replayed graph
+def graph_refusal(model, page_size: int) -> str | None:
+    """Why `model`'s continuous-batching decode steps, in pages of `page_size` tokens, cannot run in CUDA graphs
+    (None: they can). A replayed graph
     runs the kernels it captured on the buffers it captured: the decode must run on a backend whose schedule is
     reloaded into fixed buffers before each replay, and nothing that a Python check decides per step may change
     between replays (a PEFT adapter switched, a kv_b_proj that stopped absorbing)."""
@@ -297,8 +298,11 @@ def graph_refusal(model) -> str | None:
                                          config.num_attention_heads, requested)
     if backend not in GRAPHED_BACKENDS:
         return f"its decode runs on {backend}, whose paged steps are planned on the host every step"
-    if not fa.uses_generated_module():
+    if backend in ("fa3", "fa2") and not fa.uses_generated_module():
         return "FlashInfer's public MLA wrapper binds its buffers when it plans (its generated module is not in use)"
+    if backend not in ("fa3", "fa2") and (page_size % 32 or (config.kv_lora_rank + config.qk_rope_head_dim) % 2):
+        return (f"{backend} reads pages of 32 or 64 packed latent rows, which pages of {page_size} tokens do not "
+                "hold (ContinuousBatchingConfig(page_size=64))")
     for module in layers:
         proj = module.kv_b_proj
         if adapters.is_lora(proj):
@@ -325,8 +329,9 @@ def manager_checked(original):
         refuse_unservable(model)
         original(self, model, *args, **kwargs)
         if uses_latent(self.model.config.get_text_config()):
-            why = graph_refusal(self.model) if any(self.continuous_batching_config.cuda_graph_booleans) else None
-            resolve_graphs(self.continuous_batching_config, why)
+            cb_config = self.continuous_batching_config
+            why = graph_refusal(self.model, cb_config.page_size) if any(cb_config.cuda_graph_booleans) else None
+            resolve_graphs(cb_config, why)
 
     return __init__
 

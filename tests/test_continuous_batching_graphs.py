@@ -1,5 +1,5 @@
 """Continuous batching in CUDA graphs, on the CPU: Transformers' graph capture emulated (`emulated_graphs`), the
-fa3/fa2 kernels through the FlashInfer stand-in (``fake_flashinfer.py``).
+fa3/fa2 and trtllm-gen/cute-dsl kernels through the FlashInfer stand-ins (``fake_flashinfer.py``).
 
 Transformers pads every step to a graph's shape (query tokens to an interval, fake sequences of no tokens) and
 captures each shape once; the package lets it capture the steps in which every request decodes, whose schedule it
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fake_flashinfer import FakeMLAModule, fake_hopper  # noqa: F401  (fixture)
+from fake_flashinfer import FakeMLAModule, FakeTrtllm, blackwell, fake_hopper  # noqa: F401  (fixture)
 from helpers import make_model, package_warnings
 from hf_flashinfer_mla import paged_attention
-from hf_flashinfer_mla.kernels import graphs
+from hf_flashinfer_mla.kernels import graphs, trtllm
 from test_continuous_batching import eager_tokens, greedy, prompts, small_cb
 
 LENGTHS = (5, 3, 9, 2, 7, 4)
@@ -27,8 +27,8 @@ class FakeGraph:
     records its launches: a replayed graph runs no Python, so the package may plan nothing during one, and it
     relaunches the captured kernels on operands of the captured shapes."""
 
-    def __init__(self, forward, args, modules, launches):
-        self.forward, self.args, self.modules, self.launches = forward, args, modules, launches
+    def __init__(self, forward, args, plans, launches):
+        self.forward, self.args, self._plans, self.launches = forward, args, plans, launches
         self.replays = 0
         launches.clear()
         forward(*args)  # the captured forward
@@ -37,16 +37,13 @@ class FakeGraph:
     def reset(self) -> None:  # (Transformers' graph buffer resets the graphs it drops)
         pass
 
-    def _plans(self) -> int:
-        return sum(len(m.plans) for m in self.modules.values())
-
     def replay(self) -> None:
         before = self._plans()
         self.launches.clear()
+        self.replays += 1
         self.forward(*self.args)
         assert self._plans() == before, "the package planned a kernel during a CUDA-graph replay"
         assert self.launches == self.captured, "a replay launched other kernels or shapes than its capture"
-        self.replays += 1
 
 
 @pytest.fixture
@@ -58,16 +55,28 @@ def emulated_graphs(fake_hopper, monkeypatch):
 
     monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
     monkeypatch.setattr(model_runner, "get_memory_pools", lambda: (None, None))
-    made, prepared, launches = [], [], []
-    run = FakeMLAModule.run
+    made, prepared, launches, host_builds = [], [], [], []
+    run, call, build = FakeMLAModule.run, FakeTrtllm.__call__, trtllm.build
 
     def launch(self, *args):
         launches.append((self.backend, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
         return run(self, *args)
 
+    def trtllm_launch(self, **kwargs):
+        shapes = [tuple(a.shape) for a in kwargs.values() if isinstance(a, torch.Tensor)]
+        launches.append((kwargs["backend"], shapes, kwargs["max_seq_len"]))
+        return call(self, **kwargs)
+
+    def trtllm_build(*args, **kwargs):  # (trtllm-gen has no plan: its host metadata is built here)
+        host_builds.append(args[0])
+        return build(*args, **kwargs)
+
+    def plans() -> int:
+        return sum(len(m.plans) for m in fake_hopper.modules.values()) + len(host_builds)
+
     def capture(self, forward_fn, compute_stream, *args):
         forward_fn(*args)  # warm-up, as Transformers' own capture
-        graph = FakeGraph(forward_fn, args, fake_hopper.modules, launches)
+        graph = FakeGraph(forward_fn, args, plans, launches)
         self.inputs_and_outputs.set_graph(graph)
         made.append(graph)
 
@@ -79,27 +88,39 @@ def emulated_graphs(fake_hopper, monkeypatch):
         prepared.append((step.graphed, step.requests, step.tokens))
 
     monkeypatch.setattr(FakeMLAModule, "run", launch)
+    monkeypatch.setattr(FakeTrtllm, "__call__", trtllm_launch)
+    monkeypatch.setattr(trtllm, "build", trtllm_build)
     monkeypatch.setattr(model_runner.ModelRunner, "_capture_graph", capture)
     monkeypatch.setattr(paged_attention, "prepare_step", prepare_step)
     return made, prepared
 
 
-def _padded_cb():
+def _padded_cb(**overrides):
     # Query tokens padded to multiples of 3 (decode graphs of 3 and 6 rows for up to 4 requests), past rows to 8s.
-    return small_cb(q_padding_interval_size=3, kv_padding_interval_size=8)
+    return small_cb(q_padding_interval_size=3, kv_padding_interval_size=8, **overrides)
 
 
-@pytest.mark.parametrize("backend", ["fa3", "fa2"])
+def _blackwell(monkeypatch, backend):
+    """The trtllm-gen/cute-dsl stand-in, Transformers' pages of 32 rows (trtllm-gen's smallest), prompts that span
+    several of them."""
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", backend)
+    return blackwell(monkeypatch), _padded_cb(page_size=32, num_blocks=24), prompts((37, 5, 70, 33, 9, 40), seed=6)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2", "trtllm-gen", "cute-dsl"])
 def test_decode_steps_replay_cuda_graphs_with_the_tokens_of_eager(emulated_graphs, fake_hopper, monkeypatch,
                                                                   backend):
     """Requests of several lengths join and finish between replays: the steps where every request decodes are
     captured once per shape and replayed with padded query rows and key lengths, the others run uncompiled on the
-    same padded inputs, and every request's tokens equal eager generate()'s."""
+    same padded inputs, and every request's tokens equal eager generate()'s. On trtllm-gen/cute-dsl each replay
+    gathers its block tables inside the graph, over requests of several 32-row pages."""
     monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", backend)
     made, prepared = emulated_graphs
     model = make_model("deepseek_v3")
-    batch = prompts(LENGTHS)
-    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=_padded_cb())
+    cb, batch = _padded_cb(), prompts(LENGTHS)
+    if backend in ("trtllm-gen", "cute-dsl"):
+        kernel, cb, batch = _blackwell(monkeypatch, backend)
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=cb)
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
     graphed = [(n, t) for g, n, t in prepared if g]
     assert made and sum(g.replays for g in made) > 0  # captured, then replayed
@@ -108,18 +129,28 @@ def test_decode_steps_replay_cuda_graphs_with_the_tokens_of_eager(emulated_graph
     assert len({n for n, _ in graphed}) >= 2  # requests joined or finished between graphed steps
     assert any(not g for g, _, _ in prepared)  # prefill steps ran uncompiled
     assert {key[0] for key in graphs._slots if key[4] is None} == {backend}
+    if backend in ("trtllm-gen", "cute-dsl"):
+        calls = [c for c in kernel.calls if c["batch"] == 6]  # the graph of 6 rows (4 requests and padding)
+        assert calls and any(int(c["seq_lens"].max()) > 32 for c in calls)  # tables of several pages, replayed
+        assert all(c["counter"] is calls[0]["counter"] for c in calls)  # one counter buffer, allocated before
 
 
-def test_graph_control_skipped_reload_changes_tokens(emulated_graphs, fake_hopper, monkeypatch):
-    """Control: with the slots' reload before a replay skipped, the graphs replay a previous step's schedule and the
+@pytest.mark.parametrize("backend", ["fa3", "trtllm-gen"])
+def test_graph_control_skipped_reload_changes_tokens(emulated_graphs, fake_hopper, monkeypatch, backend):
+    """Control: with the slots' reload before a replay skipped, the graphs replay a previous step's schedule (fa3)
+    or lengths and starts (trtllm-gen: here past the read indices of a smaller graph, failing its requests) and the
     tokens change; the fault is shown to have been applied."""
-    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", "fa3")
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", backend)
     skipped = []
     monkeypatch.setattr(graphs.GraphSlot, "load", lambda self, step, staged=None: skipped.append(step))
     model = make_model("deepseek_v3")
-    batch = prompts(LENGTHS)
-    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=_padded_cb())
-    assert skipped and sum(g.replays for g in emulated_graphs[0]) > 0
+    cb, batch = _padded_cb(), prompts(LENGTHS)
+    if backend == "trtllm-gen":
+        _, cb, batch = _blackwell(monkeypatch, backend)
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=cb)
+    made = emulated_graphs[0]
+    assert skipped and made  # (trtllm-gen: the next graph's capture already reads past its read indices, and fails)
+    assert backend != "fa3" or sum(g.replays for g in made) > 0
     assert [o.generated_tokens for o in out.values()] != eager_tokens(model, batch)
 
 
@@ -134,6 +165,19 @@ def test_a_model_on_the_reference_runs_without_graphs_saying_why(emulated_graphs
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
     assert prepared and not made and not any(g for g, _, _ in prepared)
     assert [m for m in package_warnings(caplog) if "without CUDA graphs" in m and "runs on reference" in m]
+
+
+def test_trtllm_gen_on_pages_it_cannot_read_runs_without_graphs_saying_why(emulated_graphs, monkeypatch, caplog):
+    """Transformers' pages of 4 rows hold no 32-row page of trtllm-gen's: its decode falls back per step (to the
+    reference here), which no graph can replay, so graphs go at the manager with one warning naming the page size."""
+    made, prepared = emulated_graphs
+    kernel = blackwell(monkeypatch)
+    model = make_model("deepseek_v3")
+    batch = prompts(LENGTHS[:3])
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=_padded_cb())
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    assert prepared and not made and not kernel.calls
+    assert [m for m in package_warnings(caplog) if "without CUDA graphs" in m and "pages of 4 tokens" in m]
 
 
 def test_an_adapter_put_on_after_capture_turns_the_graphs_off(emulated_graphs, monkeypatch, caplog):

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import threading
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -421,6 +422,12 @@ def _rebuild_fixed(meta: FaMetadata, step, layer, staged: Staged | None) -> FaMe
         # The captured launch holds the schedule's offsets and grid, fixed for a fixed batch and query shape.
         raise RuntimeError("FlashInfer's MLA schedule layout changed between steps of one CUDA-graph shape")
     return meta
+
+
+def replayed(meta: FaMetadata, pages) -> FaMetadata:
+    """A continuous-batching CUDA-graph slot's metadata for this forward: its schedule (reloaded before each replay)
+    with the forward's whole padded read indices as the page table, converted inside the graph."""
+    return dataclasses.replace(meta, kv_indices=pages.typed(torch.int32))
 
 
 def _set_indices(meta: FaMetadata, indices: torch.Tensor | None) -> None:

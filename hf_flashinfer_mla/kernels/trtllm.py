@@ -21,7 +21,9 @@ that count as its ``seq_lens``; the per-step part (offsets, validity, counts) is
 indices.
 
 Continuous batching's paged latent cache is read the same way (`_paged`): its rows are packed, and Transformers'
-pages of 32 or 64 rows (or a multiple) give the block tables, gathered from the step's read indices.
+pages of 32 or 64 rows (or a multiple) give the block tables, gathered on the device from the step's read indices
+(`gather_tables`). In a CUDA graph the slot holds each request's start in the read indices and its length, reloaded
+before each replay; the gather runs inside the graph (`replayed`), over the whole padded read indices.
 
 This path follows FlashInfer's documented contract but has not run on Blackwell hardware: no such GPU was
 available to the project; a CPU stand-in checks the calls (``tests/test_kernels_trtllm.py``).
@@ -29,6 +31,7 @@ available to the project; a CPU stand-in checks the calls (``tests/test_kernels_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +94,8 @@ class TrtllmMetadata:
     # max_seq_len: the width of each token's list (its picks, padded to a multiple of 4)
     sparse: tuple | None = None
     page_size: int = PAGE_SIZE  # rows per page of the tables (continuous batching: 32 where its pages hold 32)
+    starts: torch.Tensor | None = None  # [B] int64: continuous batching in a CUDA graph, where each request's rows
+    # begin in the step's read indices
 
 
 def table_width(pages: int, page_size: int = PAGE_SIZE) -> int:
@@ -126,7 +131,7 @@ def build(backend: str, step, layer, into: TrtllmMetadata | None = None, staged=
     if layer.topk:
         return _sparse(backend, rows, layer, into)
     if step.pages is not None:
-        return _paged(backend, layer, rows, step.pages)
+        return _paged(backend, layer, rows, step.pages, into)
     if into is not None:
         tables, lens = _host_tables(rows, layer, into.block_tables.shape[1])
         into.block_tables.copy_(to_device(tables, layer.device), non_blocking=True)
@@ -159,36 +164,62 @@ def _sparse(backend: str, rows, layer, into) -> TrtllmMetadata:
                           sparse=(to_device(offsets.contiguous(), layer.device), to_device(selectable, layer.device)))
 
 
-def _paged(backend: str, layer, rows, pages) -> TrtllmMetadata:
+def _paged(backend: str, layer, rows, pages, into: TrtllmMetadata | None) -> TrtllmMetadata:
     """Continuous batching's decode requests over Transformers' paged latent cache: request ``r``'s rows (`pages`,
     a ``rows.PageTable``) run on within each of Transformers' pages of ``pages.page_rows`` rows. With pages of 64
-    (or 32) rows dividing those, the ``c``-th page of the request is the one holding the row of its token ``c * 64``:
-    a gather on the device from the read indices, no sync."""
+    (or 32) rows dividing those, the ``c``-th page of the request is the one holding the row of its token ``c * 64``
+    (`gather_tables`); with `into` (a CUDA-graph slot) only the starts and lengths are written, stream-ordered."""
     if not layer.packed:
         raise Refused("the paged cache does not store the latent packed (its rows are wider than rank + rope)")
-    size = next((p for p in (PAGE_SIZE, 32) if pages.page_rows % p == 0), None)
+    size = _paged_page_size(pages.page_rows)
+    starts = to_device(pages.offsets, layer.device)
+    lens = to_device(rows.lens.to(torch.int32), layer.device)
+    if into is not None:
+        into.starts.copy_(starts, non_blocking=True)
+        into.seq_lens.copy_(lens, non_blocking=True)
+        return into
+    max_len = int(rows.lens.max())
+    tables = gather_tables(pages, starts, lens, table_width(-(-max_len // size), size), size)
+    counter = counter_buffer(rows.batch, layer.heads, layer.device) if backend == "trtllm-gen" else None
+    return TrtllmMetadata(backend, tables, lens, max_len, counter, page_size=size)
+
+
+def _paged_page_size(page_rows: int) -> int:
+    size = next((p for p in (PAGE_SIZE, 32) if page_rows and page_rows % p == 0), None)
     if size is None:
-        raise Refused(f"continuous batching's pages of {pages.page_rows} tokens are not a multiple of trtllm-gen's "
+        raise Refused(f"continuous batching's pages of {page_rows} tokens are not a multiple of trtllm-gen's "
                       "32 or 64 (ContinuousBatchingConfig(page_size=...))")
-    lens, offsets = rows.lens.long(), pages.offsets
-    max_len = int(lens.max())
-    token = offsets[:, None] + torch.arange(table_width(-(-max_len // size), size))[None, :] * size
-    token = torch.minimum(token, (offsets + lens - 1)[:, None])  # past a request's pages: its last one (unread)
-    tables = (pages.typed(torch.long)[to_device(token, layer.device)] // size).to(torch.int32)
-    counter = counter_buffer(lens.numel(), layer.heads, layer.device) if backend == "trtllm-gen" else None
-    return TrtllmMetadata(backend, tables, to_device(rows.lens.to(torch.int32), layer.device), max_len, counter,
-                          page_size=size)
+    return size
+
+
+def gather_tables(pages, starts: torch.Tensor, lens: torch.Tensor, width: int, size: int) -> torch.Tensor:
+    """``[B, width]`` int32 block tables of pages of `size` rows, on the device: column ``c`` of request ``r`` is
+    the page of its row ``c * size`` (past its rows: its last row's page, never read)."""
+    token = starts[:, None] + torch.arange(width, device=starts.device)[None, :] * size
+    token = torch.minimum(token, (starts + lens - 1)[:, None])
+    return (pages.typed(torch.long)[token] // size).to(torch.int32)
+
+
+def replayed(meta: TrtllmMetadata, pages) -> TrtllmMetadata:
+    """A continuous-batching CUDA-graph slot's metadata for this forward, computed on the device from the slot's
+    starts and lengths: captured once, it gathers each replayed step's tables. The forward's padded read indices
+    (fixed per graph) bound every request's length."""
+    size, rows = _paged_page_size(pages.page_rows), pages.typed(torch.long).numel()
+    tables = gather_tables(pages, meta.starts, meta.seq_lens, table_width(-(-rows // size), size), size)
+    return dataclasses.replace(meta, block_tables=tables, max_seq_len=rows, page_size=size)
 
 
 def fixed(backend: str, layer, batch: int, q_len: int) -> TrtllmMetadata:
     """Fixed-address metadata for a CUDA-graph slot: tables over the cache's whole capacity, the capacity as the
-    maximum length, and the device's counter buffer grown now, before capture, for this shape."""
+    maximum length (continuous batching: each request's start instead, see `replayed`), and the device's counter
+    buffer grown now, before capture, for this shape."""
     if not layer.packed:  # (packed_pages already proved every sequence starts on a page)
         raise Refused("the cache does not store the latent packed (pass cache=MLALatentCache(model.config))")
     i32 = dict(dtype=torch.int32, device=layer.device)
     counter = counter_buffer(batch * q_len, layer.heads, layer.device) if backend == "trtllm-gen" else None
     return TrtllmMetadata(backend, torch.zeros(batch, table_width(-(-layer.pitch // PAGE_SIZE)), **i32),
-                          torch.zeros(batch, **i32), layer.pitch, counter, fixed=True)
+                          torch.zeros(batch, **i32), layer.pitch, counter, fixed=True,
+                          starts=torch.zeros(batch, dtype=torch.long, device=layer.device))
 
 
 def refusal_for_every_step(layer, batch: int, q_len: int) -> str | None:
