@@ -32,8 +32,7 @@ import logging
 import math
 import os
 import threading
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
@@ -167,8 +166,7 @@ class GeneratedFa:
     def __init__(self, device, backend, num_heads, dtype, rank, rope, kv_dtype=None):
         surface = generated_surface()
         self.surface, self.device, self.backend, self.num_heads, self.dtype = surface, device, backend, num_heads, dtype
-        self.kv_dtype = kv_dtype or dtype  # float8_e4m3fn: the FP8 latent cache, read in place with its scales
-        self.rank = rank
+        self.kv_dtype, self.rank = kv_dtype or dtype, rank  # kv float8_e4m3fn: the FP8 latent, read in place
         self.float_workspace = workspace_buffer(device)
         self._scratches: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # (scratch, its last copy)
         self._turn = 0
@@ -208,10 +206,8 @@ class GeneratedFa:
         lengths, so FlashInfer's Python validator, which walks every sequence, is skipped for it."""
         if self.refused:
             raise Refused(self.refused)
-        batch = rows.batch
         proven = (not causal and self.sms is not None
-                  and work_items_bound(batch, rows.q_len, self.num_heads, self.sms)
-                  <= MAX_WORK_ITEMS)
+                  and work_items_bound(rows.batch, rows.q_len, self.num_heads, self.sms) <= MAX_WORK_ITEMS)
         if not proven:
             try:
                 self.surface.validate_workload(rows.qo_indptr(), rows.lens, self.num_heads, causal, self.device,
@@ -219,9 +215,8 @@ class GeneratedFa:
             except self.surface.refused as exc:
                 raise Refused(str(exc)) from None
         plan_info, staged = self.surface.native(self.module).plan(
-            self.float_workspace, int_workspace, scratch, rows.qo_indptr(), kv_indptr, rows.lens,
-            self.num_heads, self.rank, causal,
-        )
+            self.float_workspace, int_workspace, scratch, rows.qo_indptr(), kv_indptr, rows.lens, self.num_heads,
+            self.rank, causal)
         staged = int(staged)
         if not 0 <= staged <= min(scratch.numel(), int_workspace.numel()):
             raise RuntimeError(f"FlashInfer's MLA planner staged {staged} bytes, more than its workspaces hold")
@@ -425,9 +420,8 @@ def _rebuild_fixed(meta: FaMetadata, step, layer, staged: Staged | None) -> FaMe
 
 
 def replayed(meta: FaMetadata, pages) -> FaMetadata:
-    """A continuous-batching CUDA-graph slot's metadata for this forward: its schedule (reloaded before each replay)
-    with the forward's whole padded read indices as the page table, converted inside the graph."""
-    return dataclasses.replace(meta, kv_indices=pages.typed(torch.int32))
+    """A continuous-batching slot's metadata in its graph: its schedule, the whole padded read indices as pages."""
+    return replace(meta, kv_indices=pages.typed(torch.int32))
 
 
 def _set_indices(meta: FaMetadata, indices: torch.Tensor | None) -> None:
