@@ -1,8 +1,8 @@
 """The one per-layer decode routine: absorb ``kv_b_proj`` into the query -> run the step's route -> project.
 
 Every caller decodes a layer here: ``generate()``'s steps (the step's plan rides on the mask, ``plan.StepPlan``),
-continuous batching's (``paged_attention.PagedStep``, over the paged latent cache) and compiled steps (the custom
-op ``decode_in_graph``, which runs the step's CUDA-graph slot). The step owns its routes; the first layer of each
+continuous batching's (``paged_attention.PagedStep``, over the paged latent cache) and compiled steps (``compiled.py``:
+the custom op that runs the step's CUDA-graph slot). The step owns its routes; the first layer of each
 shape (`RouteKey`) builds one, every other layer looks it up and only launches, as vLLM's MLA backends split a
 metadata builder (once per batch) from the kernel call (per layer).
 """
@@ -14,11 +14,9 @@ from typing import NamedTuple
 import torch
 
 from .absorption import AbsorbedWeights, absorb_query, project_output
-from .cache import FP8
-from .capabilities import load_backend, requested_backend
+from .capabilities import requested_backend
+from .compiled import decode_traced
 from .errors import CacheLayoutError
-from .kernels import reference
-from .kernels.graphs import mask_planned_outside_graph
 from .plan import Routing
 
 
@@ -54,8 +52,7 @@ def decode_layer(module, step: Routing | None, query: torch.Tensor, kv_latent: t
     grad = torch.is_grad_enabled() and (q_lat.requires_grad or kv_latent.requires_grad or k_rot.requires_grad)
     topk = 0 if indices is None else indices.shape[-1]
     if step is None:
-        o_lat = _decode_compiled(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad, indices,
-                                 sinks)
+        o_lat = decode_traced(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad, indices, sinks)
     else:
         key = RouteKey(q_lat.device, q_lat.dtype, kv_latent.dtype, q_lat.shape[0], kv_latent.shape[-1],
                        k_rot.shape[-1], kv_latent.stride(0), kv_latent.stride(2), kv_latent.shape[0], scale,
@@ -69,21 +66,3 @@ def decode_layer(module, step: Routing | None, query: torch.Tensor, kv_latent: t
                                requested_backend(mla_backend, module.config), grad)
         o_lat = route.run(q_lat, q_pe, kv_latent, k_rot, indices, sinks)
     return project_output(o_lat, weights, query.shape[0])
-
-
-def _decode_compiled(module, mask, q_lat, q_pe, kv_latent, k_rot, scale, mla_backend, grad, indices, sinks):
-    """A decode step being traced by torch.compile. generate()'s static-cache graphs receive their mask from outside
-    and run the custom op, which routes each compiled shape on its step's plan; a graph that builds its own mask, one
-    autograd must differentiate, or a sparse or sink layer's, runs the reference backend inline."""
-    if kv_latent.dtype == FP8:
-        raise CacheLayoutError(
-            "the FP8 latent cache (MLALatentCache(dtype=torch.float8_e4m3fn)) does not run inside torch.compile "
-            "or CUDA graphs yet; generate without compiling, or use the bf16 cache (cache_implementation="
-            '"static") for CUDA graphs.'
-        )
-    if indices is not None:
-        return reference.attend_sparse(mask, indices, scale, q_lat, q_pe, kv_latent, k_rot, sinks)
-    if grad or sinks is not None or not mask_planned_outside_graph():
-        return reference.attend(mask, scale, q_lat, q_pe, kv_latent, k_rot, sinks)
-    requested = mla_backend or load_backend(module.config) or ""
-    return torch.ops.hf_flashinfer_mla.decode_in_graph(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested)

@@ -8,8 +8,8 @@ them), with the state they serve.
 * Its 2D mask, which only grows on the right: each mask's `rows.GrowingMask` handed on to the next, wider one, where
   the next step is planned while the GPU runs this one (`growing_masks`), and kept on the boolean copy Transformers'
   mask preprocessing makes (`rows_kept_on_copies`).
-* Its compiled step, which raises for a step a CUDA-graph slot of its shape cannot serve: a replay cannot switch
-  backends (`slots_checked_before_compiled_steps`).
+
+Its compiled step's seam lives with the compiled path (``compiled.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from .cache import MLAStaticLayer, packed_layout_for
-from .kernels import graphs
 from .models import ATTN_NAME
-from .plan import plan_of
 from .rows import GrowingMask
 
 try:  # (generate() reading its stop condition a step late: in 5.24 and 5.25, absent from older releases)
@@ -123,30 +121,3 @@ def rows_kept_on_copies(original):
         return result
 
     return _preprocess_mask_arguments
-
-
-def slots_checked_before_compiled_steps(original):
-    # A replayed CUDA graph runs no Python: the mask function loads the kernels' fixed-address metadata
-    # (kernels/graphs.py) for every step of a captured shape, compiled or not, and records a step a slot's kernel
-    # cannot serve, without raising (an uncompiled step of that shape runs anyway). generate() gets its compiled
-    # step here: this wrapper raises for such a step, which it knows will replay.
-    @functools.wraps(original)
-    def get_compiled_call(self, compile_config):
-        compiled = original(self, compile_config)
-        if self.config.get_text_config(decoder=True)._attn_implementation != ATTN_NAME:
-            return compiled
-
-        def compiled_step(*args, **kwargs):
-            masks = kwargs.get("attention_mask")
-            for mask in masks.values() if isinstance(masks, dict) else (masks,):
-                plan = plan_of(mask) if isinstance(mask, torch.Tensor) else None
-                if plan is not None:
-                    plan.load_graph_slots(replaying=True)
-            try:
-                return compiled(*args, **kwargs)
-            finally:
-                graphs.note_mask_planned(None)
-
-        return compiled_step
-
-    return get_compiled_call

@@ -117,7 +117,7 @@ class PagedStep(Routing):
     def route(self, key: tuple, layer: Layer, requested: str, grad: bool) -> Route:
         if not self.graphed:
             return super().route(key, layer, requested, grad)
-        backend = self._backend(layer, requested, grad)
+        backend = self.backend_for(layer, requested, grad)
         slot = backend in GRAPHED_BACKENDS and graphs.slot((backend, layer, self.batch, 1, None), FAMILIES[backend],
                                                            backend, layer, self)
         if not isinstance(slot, graphs.GraphSlot):

@@ -10,9 +10,9 @@ forwards (two models, or one model with two caches, inside one ``generate()``) n
   down ``capabilities.fallbacks``);
 * what it planned ahead for the next step (`plan_next`), handed on through the next 2D mask (``rows.GrowingMask``).
 
-Inside compiled graphs the mask stands for the plan: the custom op `decode_in_graph` routes on the step's plan
-while torch warms the graph up, and runs the CUDA-graph slot chosen then (``kernels/graphs.py``) while it is
-captured; before every replay the plan of the step reloads the slots of its shape (`load_graph_slots`).
+Inside compiled graphs the mask stands for the plan (``compiled.py``: the graph's custom op routes on it while
+torch warms the graph up); before every replay the plan of the step reloads the CUDA-graph slots of its shape
+(`load_graph_slots`, ``kernels/graphs.py``).
 
 Models split across devices (accelerate's ``device_map``) receive at each layer on another device a *copy* of the
 mask, without the plan. Such a copy adopts the plan of its model's current step (`step_plan`) instead of building
@@ -95,7 +95,7 @@ class Routing:
         FlashInfer's kernels have no backward, and gradients must not silently stop at the attention."""
         route = self.routes.get(key) or self._ahead.pop(("route", key), None)  # (or planned by the previous step)
         if route is None:
-            backend = self._backend(layer, requested, grad)
+            backend = self.backend_for(layer, requested, grad)
             chain = capabilities.fallbacks(backend, layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
                                            layer.kv_dtype == FP8, self.paged)
             route = first_accepting(
@@ -104,7 +104,7 @@ class Routing:
         return route
 
     @staticmethod
-    def _backend(layer: Layer, requested: str, grad: bool) -> str:
+    def backend_for(layer: Layer, requested: str, grad: bool) -> str:
         backend = capabilities.choose_backend(layer.device, layer.dtype, layer.rank, layer.rope, layer.heads,
                                               requested)
         if grad and backend != "reference":
@@ -189,23 +189,6 @@ class StepPlan(Routing):
         return self._masks[key]
 
     # ------------------------------------------------------------------------------------------- graph slots
-    def graph_route(self, key: tuple, layer: Layer, requested: str) -> GraphSlotRoute:
-        """The route of a compiled decode step while torch warms its graph up: the slot of this shape on the backend
-        this step would take (its metadata at fixed addresses, loaded for this step), or the reference backend."""
-        backend = self._backend(layer, requested, False)
-        # (a float mask's bias and a mask per head are what `route`'s rows would refuse; a slot reads no rows)
-        mask_fits = self._additive is None and self.source_shape[1] == 1
-        if layer.kv_dtype == FP8 or backend == "reference" or not mask_fits:
-            return GraphSlotRoute("reference", None, layer)
-        slot_key = (backend, layer, self.batch_size, self.q_len, self.kv_len)
-        fresh = slot_key not in graphs._slots
-        slot = graphs.slot(slot_key, FAMILIES[backend], backend, layer, self)
-        if isinstance(slot, graphs.GraphSlot) and not fresh:
-            self._load(slot_key, slot)
-        else:
-            self._loaded.add(slot_key)
-        return GraphSlotRoute(backend if isinstance(slot, graphs.GraphSlot) else "reference", slot, layer)
-
     def load_graph_slots(self, replaying: bool = False) -> None:
         """Reload every CUDA-graph slot of this step's shape with its metadata, before a compiled step may replay
         (called by the mask function, outside the compiled region: a replay runs no Python). A slot whose kernel
@@ -213,18 +196,20 @@ class StepPlan(Routing):
         generate()'s compiled step, ``generation.py``), so an uncompiled step of the same shape still runs."""
         for key, slot in graphs.slots_for(self.batch_size, self.q_len, self.kv_len):
             try:
-                self._load(key, slot)
+                self.load_slot(key, slot)
             except graphs.SlotRefused as exc:
                 self.slot_refusals[key] = str(exc)
         if replaying and self.slot_refusals:
             raise graphs.SlotRefused(next(iter(self.slot_refusals.values())))
 
-    def _load(self, key: tuple, slot) -> None:
+    def load_slot(self, key: tuple, slot, built: bool = False) -> None:
+        """Load this step's metadata into a CUDA-graph slot of its shape, unless it holds it already (`built`: the
+        slot was just made, or its shape runs the reference: nothing to load)."""
         # (another forward of the same shape may have loaded the slot since this plan did: the guidance forward of
         # classifier-free guidance, a second model of a logits processor)
-        if key not in self._loaded or slot.holder() is not self:
+        if not built and (key not in self._loaded or slot.holder() is not self):
             slot.load(self, self._ahead.pop(("slot", key), None))
-            self._loaded.add(key)
+        self._loaded.add(key)
 
     # ------------------------------------------------------------------------------------------ planning ahead
     def plan_next(self, growing) -> None:
@@ -274,18 +259,6 @@ class StepPlan(Routing):
             and module.config is self.config
             and id(module) not in self.consumers
         )
-
-
-@dataclass(eq=False)
-class GraphSlotRoute:
-    backend: str
-    slot: Any
-    layer: Layer
-
-    def run(self, q_lat, q_pe, kv_latent, k_rot, mask) -> torch.Tensor:
-        if self.backend == "reference":
-            return reference.run(mask, self.layer, q_lat, q_pe, kv_latent, k_rot)
-        return self.slot.run(q_lat, q_pe, kv_latent, k_rot)
 
 
 def _reads_in_place(backend: str, layer: Layer) -> bool:
@@ -387,32 +360,6 @@ def decode_latent(plan: StepPlan, requested: str, q_lat, q_pe, kv_latent, k_rot,
     layer = layer_of(q_lat, kv_latent, k_rot, scale, 0 if indices is None else indices.shape[-1])
     out = plan.route((layer, requested), layer, requested, False).run(q_lat, q_pe, kv_latent, k_rot, indices)
     return out.view(h, b, sq, rank).transpose(0, 1)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The compiled decode step
-# --------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("hf_flashinfer_mla::decode_in_graph", mutates_args=())
-def decode_in_graph(mask: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_latent: torch.Tensor,
-                    k_rot: torch.Tensor, scale: float, requested: str) -> torch.Tensor:
-    """A decode step inside a compiled graph (opaque to dynamo and inductor, so the graph may have any batch size):
-    while torch warms the graph up it runs eagerly and routes on the step's plan; while it is captured it runs the
-    slot chosen then, whose metadata the mask function reloads before every replay."""
-    layer = layer_of(q_lat, kv_latent, k_rot, scale)
-    key = (layer, mask.shape[0], mask.shape[2], mask.shape[3])
-    if layer.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        route = graphs.routes[key]
-    else:
-        # Warm-up (never while capturing: planning from the mask may sync): CUDA-graph trees hand the graph copies
-        # of its inputs, so the mask may have lost its plan; it is then planned from its contents.
-        plan = plan_of(mask) or StepPlan(mask)
-        route = graphs.routes[key] = plan.graph_route(key, layer, capabilities.requested_backend(requested or None))
-    return route.run(q_lat, q_pe, kv_latent, k_rot, mask).contiguous()
-
-
-@decode_in_graph.register_fake
-def _(mask, q_lat, q_pe, kv_latent, k_rot, scale, requested):
-    return torch.empty_like(q_lat, memory_format=torch.contiguous_format)
 
 
 def layer_of(q_lat, kv_latent, k_rot, scale: float, topk: int = 0, sinks: bool = False) -> Layer:

@@ -21,7 +21,7 @@ from transformers.generation.continuous_batching import cache as cb_cache, conti
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import cache, capabilities, generation, models, paged_attention, paged_cache
+from . import cache, capabilities, compiled, generation, models, paged_attention, paged_cache
 from .attention import flashinfer_mla_attention_forward
 from .masks import flashinfer_mla_mask
 from .models import ATTN_NAME
@@ -60,7 +60,7 @@ SEAMS = (
          "the one place the next 2D mask is known to be this one grown: plans the next step"),
     Seam(masking_utils, "_preprocess_mask_arguments", generation.rows_kept_on_copies, "5.24, 5.25",
          "its boolean copy of the 2D mask would lose the GrowingMask"),
-    Seam(_PM, "get_compiled_call", generation.slots_checked_before_compiled_steps, "5.24, 5.25",
+    Seam(_PM, "get_compiled_call", compiled.slots_checked_before_compiled_steps, "5.24, 5.25",
          "a compiled step raises for a step its CUDA-graph slots cannot serve"),
     Seam(_CB.ContinuousBatchingManager, "__init__", paged_attention.manager_checked, "5.24, 5.25",
          "refuses unservable models in the caller's thread; decides CUDA graphs; async batching off"),

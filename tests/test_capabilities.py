@@ -1,6 +1,6 @@
 """Backend selection (`hf_flashinfer_mla.capabilities`) with the compute-capability query substituted: no CUDA call.
 Also the fallback chain a declined step walks (`capabilities.fallbacks`), and the choice the compiled decode step
-makes for each shape at run time (`plan.StepPlan.graph_route`, which the graph op calls)."""
+makes for each shape at run time (`compiled.route_in_graph`, which the graph op calls)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 import hf_flashinfer_mla
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from hf_flashinfer_mla import BackendUnavailableError, capabilities
+from hf_flashinfer_mla.compiled import route_in_graph
 from hf_flashinfer_mla.capabilities import (ENV_VAR, LOAD_ATTR, backend_and_reason, choose_backend, fallbacks,
                                             requested_backend)
 
@@ -512,14 +513,14 @@ def _slot(backend: str, batch: int):
 
 
 def _graph_route(dtype, heads, requested, packed=True, kv_dtype=None, rank=RANK, rope=ROPE, batch=2):
-    """What the graph op (`plan.decode_in_graph`) decides while a compiled step of this shape warms up: the
+    """What the graph op (`compiled.decode_in_graph`) decides while a compiled step of this shape warms up: the
     route of a step of `batch` sequences of 64 rows (page-aligned), on a CPU `Layer` (the capability is faked)."""
     from hf_flashinfer_mla.kernels import Layer
     from hf_flashinfer_mla.plan import StepPlan
 
     layer = Layer(CPU, dtype, kv_dtype or dtype, heads, rank, rope, 256, packed, 0.1)
     step = StepPlan(torch.ones(batch, 1, 1, 64, dtype=torch.bool))
-    return step.graph_route((layer, batch, 1), layer, requested), (layer, batch)
+    return route_in_graph(step, (layer, batch, 1), layer, requested), (layer, batch)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from flashinfer.mla._batch_mla._backends import _fa_common
 
 from hf_flashinfer_mla import buffers, masks
 from hf_flashinfer_mla.kernels import Layer, fa, graphs, reference
+from hf_flashinfer_mla.compiled import route_in_graph
 from hf_flashinfer_mla.plan import StepPlan, attach_plan, plan_of
 from hf_flashinfer_mla.rows import GrowingMask
 
@@ -56,7 +57,7 @@ def test_graph_slot_is_reloaded_in_place_once_per_step(fake_hopper, monkeypatch)
         step = _graph_step([3, 0], end)
         step.load_graph_slots()
         step.load_graph_slots()  # a second ask on the same step does not plan again
-        route = step.graph_route(None, layer, "fa3")  # nor does the graph op's warm-up run on it
+        route = route_in_graph(step, None, layer, "fa3")  # nor does the graph op's warm-up run on it
         assert route.backend == "fa3" and route.slot is slot
         assert len(fa3.plans) == before + 1 and fa3.plans[-1]["kv_len"].tolist() == [end - 3, end]
         assert _scheduled(slot) == len(fa3.plans) - 1
@@ -137,7 +138,7 @@ def test_graph_slot_uploads_the_schedule_planned_ahead(fake_hopper):
 
     mask2d = grow(bool_mask([[0, 0, 0] + [1] * 6, [1] * 9]).long())  # after the prefill: width 10
     first = step(mask2d)
-    assert first.graph_route(None, layer, "fa3").backend == "fa3"  # the graph op's warm-up makes the slot
+    assert route_in_graph(first, None, layer, "fa3").backend == "fa3"  # the graph op's warm-up makes the slot
     [(_, slot)] = graphs.slots_for(2, 1, 16)
     plans = fa3["fa3"].plans
     assert len(plans) == 1 and _scheduled(slot) == 0

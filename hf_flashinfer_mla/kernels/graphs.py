@@ -74,7 +74,7 @@ class GraphSlot:
 # backend. The mask length is a static cache's length: two caches of one capacity are two graphs, two slots.
 _slots: dict[tuple, GraphSlot | str] = {}
 # (layer, batch, q_len, mask length) -> the route that shape's graph was warmed up with, which its capture records
-# (``plan.decode_in_graph`` fills it; it names a slot and holds no step's state).
+# (``compiled.decode_in_graph`` fills it; it names a slot and holds no step's state).
 routes: dict[tuple, object] = {}
 
 

@@ -97,14 +97,14 @@ def kernel_configs() -> dict[int, tuple[str, str, str]]:
 
 def generate_part(loops: int, check: bool) -> list[dict]:
     import hf_flashinfer_mla
-    from hf_flashinfer_mla import plan as plan_mod
+    from hf_flashinfer_mla import compiled as compiled_mod
     from hf_flashinfer_mla.plan import StepPlan
     from test_gpu_backends import _model, _prompts, rel
     from transformers import CompileConfig
 
     findings = []
     if check:
-        real_run = plan_mod.GraphSlotRoute.run
+        real_run = compiled_mod.GraphSlotRoute.run
 
         def checked(self, q_lat, q_pe, kv_latent, k_rot, mask):
             out = real_run(self, q_lat, q_pe, kv_latent, k_rot, mask)
@@ -120,7 +120,7 @@ def generate_part(loops: int, check: bool) -> list[dict]:
                                          mask_lens=mask[:, 0, -1].sum(-1).tolist()))
             return out
 
-        plan_mod.GraphSlotRoute.run = checked
+        compiled_mod.GraphSlotRoute.run = checked
     model = _model("v3")
     model.set_attn_implementation("flashinfer_mla")
     ids, mask, _ = _prompts()
