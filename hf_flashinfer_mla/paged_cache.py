@@ -190,11 +190,19 @@ def refuse_kept_cache(model, manager) -> None:
     """Raise where a manager kept with ``persistent_manager=True`` holds a paged cache built for another attention
     than the model's now: this package's latent rows read by eager/sdpa (Transformers' own attention would take the
     layer's whole rows for the request's), or, from Transformers 5.25, Transformers' own MLA rows read by this
-    package's paged attention. Its next run would otherwise return wrong tokens or fail every request."""
+    package's paged attention; or latent rows of another dtype or device than the model's (moved or cast since).
+    Its next run would otherwise return wrong tokens or fail every request."""
     cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
     if cache is None:
         return
     kept_latent = any(isinstance(a, LatentAllocator) for a in cache.cache_allocators.values())
+    if kept_latent and (cache.dtype != model.dtype or torch.device(cache.device) != model.device):
+        raise UnsupportedModelError(  # (its rows would fail every request's first cache write)
+            f"this model's kept continuous-batching manager (persistent_manager=True) holds a paged cache of "
+            f"{cache.dtype} on {cache.device}, and the model now runs in {model.dtype} on {model.device}. Call "
+            "model.destroy_cached_continuous_batching_manager() (or generate_batch without persistent_manager) so "
+            "that a new manager builds a cache for the model as it is."
+        )
     if kept_latent == bool(uses_latent(model.config.get_text_config())):
         return
     built_for = ATTN_NAME if kept_latent else "another attention implementation"

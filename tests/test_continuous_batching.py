@@ -320,6 +320,21 @@ def test_a_persistent_manager_built_on_sdpa_refuses_a_switch_to_flashinfer_mla()
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
 
 
+def test_a_persistent_manager_refuses_a_model_cast_to_another_dtype():
+    """A kept manager's paged cache holds rows of the model's dtype when it was built; after ``model.to(dtype)`` its
+    next run would fail every request (empty outputs). It raises instead, naming the fix, which then serves."""
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    batch = prompts((7, 9))
+    kept = dict(generation_config=greedy(), continuous_batching_config=small_cb(), persistent_manager=True)
+    model.generate_batch(batch, **kept)
+    model.to(torch.float64)
+    with pytest.raises(UnsupportedModelError, match="destroy_cached_continuous_batching_manager"):
+        model.generate_batch(batch, **kept)
+    model.destroy_cached_continuous_batching_manager()
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+
+
 def _lora(model, target="kv_a_proj_with_mqa"):
     peft = pytest.importorskip("peft")
     peft.inject_adapter_in_model(peft.LoraConfig(target_modules=[target], r=4, lora_alpha=8,
