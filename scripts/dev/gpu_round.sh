@@ -13,6 +13,8 @@
 #                                              # 1/8/32/128 x 1k/4k/16k/32k; its batch-1 1k cell three more times;
 #                                              # the CUDA-graph cell (batch 32, 4k) against sdpa (bench_decode.py);
 #                                              # one layer per backend and cache layout (bench_kernel.py)
+#   bash scripts/dev/gpu_round.sh prefill      # one layer's prefill: generate()'s SDPA against fa3's ragged prefill,
+#                                              # 4k/16k/32k tokens, batch 1 and a left-padded batch of 4
 #   bash scripts/dev/gpu_round.sh generate     # real static-cache generate() (bench_generate.py), the stop condition
 #                                              # read a step late and every step: V3 shape 32 x 4k, 64 new tokens,
 #                                              # against sdpa; DeepSeek-V2-Lite, 512-token prompts, batch 1 and 8
@@ -141,6 +143,13 @@ mode_grid() {
 mode_kernel() {
   run 75 python3 scripts/bench_kernel.py --heads 16 128 --batch 128 --context 4096 --plan-reps 10 --iters 50 \
     --out "$D" --name kernel.json
+  show 30
+}
+
+mode_prefill() {
+  run 150 python3 scripts/bench_prefill.py --heads 16 128 --lengths 4096 16384 32768 --out "$D" --name prefill.json
+  run 120 python3 scripts/bench_prefill.py --heads 16 128 --lengths 4096 16384 --batch 4 --pad 1024 --out "$D" \
+    --name prefill_padded.json
   show 30
 }
 
