@@ -66,7 +66,7 @@ def case(heads, length, args, device, dtype) -> dict:
     # the valid (not padded) token positions of each prompt, packed: [N]
     index = torch.cat([r * length + torch.arange(length - n, length) for r, n in enumerate(lens.tolist())])
     index = index.to(device)
-    record = dict(heads=heads, length=length, batch=b, pad=args.pad)
+    record = dict(heads=heads, length=length, batch=b, pad=args.pad, status="ok")
 
     def packed(t):  # [B, H, S, D] -> [N, H, D]
         return t.transpose(1, 2).reshape(b * length, heads, -1).index_select(0, index)
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
                     "ragged err", "failure"], rows,
                    [f"one layer's prefill attention, qk {QK} / v {V_DIM}, {args.dtype}, prompts {args.pad} tokens "
                     "shorter each after the first (left padding)"])
-    path = bc.write_json(args.out, args.name, dict(environment=bc.environment(device, args), records=records))
+    path = bc.write_json(args.out, args.name, dict(metadata=bc.environment(device, args), results=records))
     if path:
         print(f"wrote {path}")
     return 0

@@ -35,6 +35,8 @@ CPU = ["--device", "cpu", "--dtype", "float32"]
     ("bench_serving", ["--model", "tiny", "--requests", "5", "--prompt-min", "3", "--prompt-max", "9", "--new", "2",
                        "--static-batch", "4", "--cb-num-blocks", "64", "--cb-page-size", "16",
                        "--cb-max-batch-tokens", "16", "--no-progress"], "serving_tiny.json"),
+    ("bench_prefill", ["--heads", "2", "--lengths", "64", "--batch", "3", "--pad", "16", "--iters", "1",
+                       "--warmup", "0"], "prefill.json"),
     ("bench_adapters", ["--model", "tiny", "--batch", "2", "--context", "16", "--steps", "1", "--warmup", "0",
                         "--repeats", "1", "--rank", "4"], "bench_adapters.json"),
     ("profile_replay", ["--model", "tiny", "--cells", "2x32", "--steps", "2", "--no-compile", "--segments",
