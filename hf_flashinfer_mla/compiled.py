@@ -90,7 +90,7 @@ def route_in_graph(plan: StepPlan, key: tuple, layer: Layer, requested: str) -> 
     the step would take (its metadata at fixed addresses, loaded for this step), or the reference backend."""
     backend = plan.backend_for(layer, requested, False)
     # (a float mask's bias and a mask per head are what `route`'s rows would refuse; a slot reads no rows)
-    mask_fits = plan.additive_mask() is None and plan.source_shape[1] == 1
+    mask_fits = plan.source_dtype == torch.bool and plan.source_shape[1] == 1
     if layer.kv_dtype == FP8 or backend == "reference" or not mask_fits:
         return GraphSlotRoute("reference", None, layer)
     slot_key = (backend, layer, plan.batch_size, plan.q_len, plan.kv_len)
