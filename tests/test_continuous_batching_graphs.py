@@ -15,7 +15,7 @@ import torch
 from fake_flashinfer import FakeMLAModule, FakeTrtllm, blackwell, fake_hopper  # noqa: F401  (fixture)
 from helpers import make_model, package_warnings
 from hf_flashinfer_mla import paged_attention
-from hf_flashinfer_mla.kernels import graphs, trtllm
+from hf_flashinfer_mla.kernels import fa, graphs, trtllm
 from test_continuous_batching import eager_tokens, greedy, prompts, small_cb
 
 LENGTHS = (5, 3, 9, 2, 7, 4)
@@ -42,7 +42,7 @@ class FakeGraph:
         self.launches.clear()
         self.replays += 1
         self.forward(*self.args)
-        assert self._plans() == before, "the package planned a kernel during a CUDA-graph replay"
+        assert self._plans() == before, "the package planned a kernel or uploaded host data during a replay"
         assert self.launches == self.captured, "a replay launched other kernels or shapes than its capture"
 
 
@@ -64,12 +64,27 @@ def emulated_graphs(fake_hopper, monkeypatch):
 
     def trtllm_launch(self, **kwargs):
         shapes = [tuple(a.shape) for a in kwargs.values() if isinstance(a, torch.Tensor)]
-        launches.append((kwargs["backend"], shapes, kwargs["max_seq_len"]))
+        # (and the buffers a captured launch reads at fixed addresses: the slot's lengths, the counter buffer)
+        fixed = [kwargs[k].data_ptr() for k in ("seq_lens", "multi_ctas_kv_counter_buffer")
+                 if kwargs.get(k) is not None]
+        launches.append((kwargs["backend"], shapes, kwargs["max_seq_len"], fixed))
         return call(self, **kwargs)
 
     def trtllm_build(*args, **kwargs):  # (trtllm-gen has no plan: its host metadata is built here)
         host_builds.append(args[0])
         return build(*args, **kwargs)
+
+    def uploading(module):  # host data copied to the device: a replay would read what the capture copied
+        to_device = module.to_device
+
+        def counted(*args):
+            host_builds.append("upload")
+            return to_device(*args)
+
+        monkeypatch.setattr(module, "to_device", counted)
+
+    for module in (paged_attention, trtllm, fa):
+        uploading(module)
 
     def plans() -> int:
         return sum(len(m.plans) for m in fake_hopper.modules.values()) + len(host_builds)
