@@ -14,7 +14,7 @@ Models (random weights, saved once by ``scripts/tp_parity.py make``):
   ``DistributedConfig(tp_plan={...})`` (64 per rank), the prototype of `tp_parity.mla_attention_tp_plan`.
 
 Each side prefills a left-padded batch, runs 64 teacher-forced decode steps and a 16-token greedy ``generate()``.
-Bounds are the GPU tests' (`test_gpu_backends.LOGIT_TOL`, `TOP1_MIN`); greedy tokens may part only where the one-GPU
+Bounds are the GPU tests' (`test_gpu_backends.yardstick("v2-lite")`); greedy tokens may part only where the one-GPU
 run's top two logits are closer than the measured logit noise (bf16, random weights: near ties). The control rolls
 the query heads on every rank (heads misaligned with their ``kv_b_proj`` shard) and must fail the bounds.
 """
@@ -87,15 +87,16 @@ def _bounds(one, two, oracle):
 
     Against `eager` the single-GPU difference between the two implementations adds to the TP noise: the relative
     errors add (triangle inequality), and so do the top-1 disagreements (union bound: the single-GPU tests allow
-    1 - TOP1_MIN, the TP noise is 1 - its top-1)."""
-    from test_gpu_backends import LOGIT_TOL, TOP1_MIN
+    the yardstick's disagreements, the TP noise is 1 - its top-1)."""
+    from test_gpu_backends import yardstick
 
+    single = yardstick("v2-lite")
     floor = tp_parity.compare(one, two, "eager", "eager")
     tp_rel, tp_top1 = 1.25 * floor["rel_err"], floor["top1"] - 0.05
     if oracle == "flashinfer_mla":  # the same implementation on one GPU: only the TP noise separates them
-        return max(LOGIT_TOL, tp_rel), min(TOP1_MIN, tp_top1)
-    union = TOP1_MIN + floor["top1"] - 1
-    return LOGIT_TOL + tp_rel, min(union, min(TOP1_MIN, floor["top1"]) - 0.05)
+        return max(single.rel, tp_rel), min(single.top1, tp_top1)
+    union = single.widened(tp_rel, 1 - floor["top1"])
+    return union.rel, min(union.top1, min(single.top1, floor["top1"]) - 0.05)
 
 
 @pytest.mark.parametrize("name", list(EXPECT))
