@@ -17,8 +17,6 @@ the latent only; prefill folds them into its mask itself (`masks.selection_mask`
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -30,7 +28,7 @@ from .capabilities import requested_backend
 from .decode import decode_layer
 from .errors import CacheLayoutError, UnsupportedModelError
 from .masks import MAX_DECODE_QUERY, selection_mask
-from .models import ATTN_NAME, is_mla_attention, original_expand_kv
+from .models import ATTN_NAME, attention_with_sinks, is_mla_attention, original_expand_kv
 from .paged_attention import attend as paged_attend
 from .paged_cache import allocator_of
 from .plan import step_plan
@@ -66,7 +64,7 @@ def flashinfer_mla_attention_forward(
         )
     paged = allocator_of(key)  # continuous batching: key/value are rows of the paged latent cache (paged_cache.py)
     if paged is not None:
-        return paged_attend(paged, module, query, key, value, scaling, mla_backend, **kwargs)
+        return paged_attend(paged, module, query, key, value, scaling, mla_backend, indices, s_aux, **kwargs)
     kv_latent, k_rot = _check_latent(module, key, value)
     if mla_backend is not None and not torch.compiler.is_compiling():
         requested_backend(mla_backend, module.config)  # an unknown name fails at the call, prefill included
@@ -79,7 +77,7 @@ def flashinfer_mla_attention_forward(
         if indices is not None:
             attention_mask = selection_mask(attention_mask, indices, key_states.shape[2])
         if s_aux is not None:
-            return _attention_with_sinks(module, query, key_states, value_states, attention_mask, dropout, scaling)
+            return attention_with_sinks(module, query, key_states, value_states, attention_mask, dropout, scaling)
         return sdpa_attention_forward(
             module, query, key_states, value_states, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -100,20 +98,6 @@ def flashinfer_mla_attention_forward(
     step = None if torch.compiler.is_compiling() else step_plan(attention_mask, module)
     return decode_layer(module, step, query, kv_latent, k_rot, weights, scale, mla_backend, indices, s_aux,
                         attention_mask), None
-
-
-def _attention_with_sinks(module, query, key_states, value_states, attention_mask, dropout, scaling):
-    """Prefill of a layer with attention sinks: SDPA has no sinks, so this runs the model's own eager attention
-    (HY-V4's ``eager_attention_forward``, which reads ``module.sinks``), with the mask made additive as it expects."""
-    eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
-    if eager is None:
-        raise UnsupportedModelError(f"{type(module).__name__} passes attention sinks (s_aux) but its modeling module "
-                                    "has no eager_attention_forward to prefill them with; use attn_implementation="
-                                    '"eager"')
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~attention_mask, torch.finfo(query.dtype).min)
-    return eager(module, query, key_states, value_states, attention_mask, scaling=scaling, dropout=dropout)
 
 
 _FITTED = "_flashinfer_mla_fitted"  # a broadcast mask's expansion, kept on the mask: one view (and plan) per step

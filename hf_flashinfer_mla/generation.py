@@ -21,6 +21,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from . import paged_indexer
 from .cache import MLAStaticLayer, packed_layout_for
 from .models import ATTN_NAME
 from .rows import GrowingMask
@@ -110,10 +111,16 @@ def growing_masks(original):
 
 def rows_kept_on_copies(original):
     # `create_causal_mask` hands the mask function `attention_mask.to(device, dtype=torch.bool)`, a new tensor:
-    # without this the copy would lose the `GrowingMask` of the mask it was made from.
+    # without this the copy would lose the `GrowingMask` of the mask it was made from. For a paged cache it builds
+    # no mask, which a sparse model's layers slice: they get `paged_indexer.step_mask`.
     @functools.wraps(original)
     def _preprocess_mask_arguments(config, inputs_embeds, attention_mask, *args, **kwargs):
         result = original(config, inputs_embeds, attention_mask, *args, **kwargs)
+        if result[0] and result[1] is None:
+            cache = kwargs.get("cache", args[0] if args else None)
+            paged = paged_indexer.step_mask(config, inputs_embeds, cache)
+            if paged is not None:
+                return (True, paged, *result[2:])
         growing = GrowingMask.of(attention_mask) if isinstance(attention_mask, torch.Tensor) else None
         if growing is not None and isinstance(result[1], torch.Tensor) and result[1] is not attention_mask:
             if result[1].shape == attention_mask.shape and result[1].device == attention_mask.device:

@@ -17,6 +17,7 @@ import functools
 import importlib
 import inspect
 
+import torch
 from torch import nn
 from transformers import PreTrainedConfig
 from transformers.utils import logging
@@ -122,6 +123,21 @@ def original_expand_kv(module: nn.Module):
     """The model's own `expand_kv`, bound to `module`, bypassing this package's hook (used for prefill)."""
     fn = type(module).expand_kv
     return functools.partial(getattr(fn, "__wrapped__", fn), module)
+
+
+def attention_with_sinks(module, query, key_states, value_states, attention_mask, dropout, scaling):
+    """A layer with attention sinks over its expanded keys and values (prefill): SDPA has no sinks, so this runs the
+    model's own eager attention (HY-V4's ``eager_attention_forward``, which reads ``module.sinks``), with the mask
+    made additive as it expects."""
+    eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedModelError(f"{type(module).__name__} passes attention sinks (s_aux) but its modeling module "
+                                    "has no eager_attention_forward to prefill them with; use attn_implementation="
+                                    '"eager"')
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key_states, value_states, attention_mask, scaling=scaling, dropout=dropout)
 
 
 def _latent_passthrough(expand_kv):

@@ -12,6 +12,9 @@ Under continuous batching the attention function receives every request's query 
 * Prefill chunks, which continuous batching mixes with decodes in one batch, are expanded through the model's own
   ``expand_kv`` and attended causally: on FlashInfer's ragged prefill, one launch per group of requests, where the
   decode runs on fa3 (``kernels/ragged.py``), else with Transformers' SDPA one request at a time.
+* A sparse (DSA) layer's `indices` are its selection in the step's read indices (``paged_indexer.py``): decode
+  requests attend over those rows of the layer (fa3/fa2 take them as pages of one row, the reference gathers them),
+  prefill chunks get them folded into their causal mask, as generate()'s prefill does (``masks.selection_mask``).
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from transformers.generation.continuous_batching.utils import stream_context
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
-from . import adapters, capabilities
+from . import adapters, capabilities, paged_indexer
 from .absorption import absorbed_weights, unabsorbable
 from .decode import decode_layer
 from .kernels import Layer, Refused, fa, graphs, ragged
-from .models import original_expand_kv
-from .paged_cache import LatentAllocator, resolve_graphs, refuse_unservable, uses_latent
+from .masks import selection_mask
+from .models import attention_with_sinks, original_expand_kv
+from .paged_cache import LatentAllocator, index_width, resolve_graphs, refuse_unservable, uses_latent
 from .plan import FAMILIES, Route, Routing
 from .rows import PageTable, Rows, to_device
 
@@ -66,6 +70,7 @@ class PagedStep(Routing):
         self.kv_offsets[1:] = k_lens.cumsum(0)
         self.tokens = tokens  # query tokens of the forward, padding included
         self.started = False  # a forward has run on it
+        self.index_calls = None  # a sparse model's indexer calls, planned by its first layer (``paged_indexer``)
         self.prefill_groups: dict[tuple, list] = {}  # the prefill chunks' ragged-prefill groups, planned per shape
         self.page_rows = page_rows  # rows per page of a cache storing the latent packed (trtllm-gen reads those)
         self.cu_q = torch.zeros(self.batch + 1, dtype=torch.long)
@@ -182,9 +187,11 @@ def _fits_one_graph(io, tokens: int) -> bool:
     return fa.work_items_bound(tokens, 1, heads, sms) <= fa.MAX_WORK_ITEMS
 
 
-def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling, mla_backend=None, **kwargs):
+def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling, mla_backend=None, indices=None,
+           s_aux=None, **kwargs):
     """One layer's attention over the paged latent: ``query [1, H, T, qk_head_dim]`` (every request's tokens packed)
-    -> ``(attn_output [1, T, H, v_head_dim], None)``; padding tokens get zeros."""
+    -> ``(attn_output [1, T, H, v_head_dim], None)``; padding tokens get zeros. `indices`: a sparse layer's selection
+    ``[1, T, topk]`` in the step's read indices (-1: none); `s_aux`: attention sinks (one logit per head)."""
     cu_q = kwargs["cu_seq_lens_q"]
     step = allocator.step
     # A prepared step serves exactly one forward: the one whose first layer finds it unstarted.
@@ -200,7 +207,7 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
         step.start(source)
     scale = scaling if scaling is not None else module.qk_head_dim**-0.5
     h, t = query.shape[1], query.shape[2]
-    weights = absorbed_weights(module, query.dtype) if len(step.decode) else None
+    weights = absorbed_weights(module, query.dtype, sinks=s_aux is not None) if len(step.decode) else None
     if step.graphed:
         allocator.graphed_layers.add(module)  # (warm-up and capture only: a replay runs no Python)
     if step.graphed and weights is None:
@@ -213,21 +220,26 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
         tokens = step.cu_q[decode]
         all_decode = len(decode) == step.batch == t
         q = query if all_decode else query[:, :, to_device(tokens, query.device)]
-        o = decode_layer(module, step, q, kv_latent, k_rot, weights, scale, mla_backend)  # [1, N, H, dv]
+        rows = None
+        if indices is not None:  # the selected rows of each decode request, in the layer's view: [N, 1, topk]
+            picked = indices[0] if all_decode else indices[0].index_select(0, to_device(tokens, query.device))
+            rows = torch.where(picked >= 0, source[picked.clamp_min(0).long()], -1).to(torch.int32)[:, None]
+        o = decode_layer(module, step, q, kv_latent, k_rot, weights, scale, mla_backend, rows, s_aux)  # [1,N,H,dv]
         if all_decode:
             return o, None
         out.index_copy_(1, to_device(tokens, out.device), o)
     requested = capabilities.requested_backend(mla_backend, module.config)
-    _prefill(allocator, step, decode, module, query, kv_latent, k_rot, source, scale, requested, out)
+    _prefill(allocator, step, decode, module, query, kv_latent, k_rot, source, scale, requested, out, indices, s_aux)
     return out, None
 
 
 def _prefill(allocator: LatentAllocator, step: PagedStep, decoded, module, query, kv_latent, k_rot, source, scale,
-             requested, out) -> None:
+             requested, out, indices=None, sinks=None) -> None:
     """Every request not decoded absorbed: its rows expanded through the model's own ``expand_kv`` and attended
     causally, on FlashInfer's ragged prefill (``kernels/ragged.py``: one launch per group of requests) where the
     step's decode backend is fa3 and it serves the head dims, else with Transformers' SDPA one request at a time
-    (so the transient keys and values are one request's)."""
+    (so the transient keys and values are one request's). A sparse layer's chunks attend their selected rows only,
+    and a layer with sinks runs the model's own eager attention: both one request at a time."""
     # (no decode: a layer that cannot absorb runs every request with query tokens here)
     pending = step.chunks if len(decoded) else (step.q_lens > 0).nonzero().flatten().tolist()
     if not pending:
@@ -236,6 +248,8 @@ def _prefill(allocator: LatentAllocator, step: PagedStep, decoded, module, query
     expand = original_expand_kv(module)
     key = (query.device, query.dtype, query.shape[1], query.shape[-1], module.v_head_dim, scale, requested,
            len(pending))
+    if indices is not None or sinks is not None:
+        step.prefill_groups[key] = []
     if key not in step.prefill_groups:
         step.prefill_groups[key] = _prefill_groups(allocator, step, pending, module, query, scale, requested)
     for group in step.prefill_groups[key]:
@@ -251,11 +265,17 @@ def _prefill(allocator: LatentAllocator, step: PagedStep, decoded, module, query
         rows = source[k0 : k0 + k]
         keys, values = expand(lat_rows.index_select(0, rows)[None, None], rot_rows.index_select(0, rows)[None, None])
         mask = None
-        if q > 1 and k > q:  # a chunk after a cached past: query i sees rows up to k - q + i
+        if (q > 1 and k > q) or indices is not None or sinks is not None:  # query i sees rows up to k - q + i
             mask = torch.arange(k, device=query.device) <= torch.arange(k - q, k, device=query.device)[:, None]
             mask = mask[None, None]
-        o, _ = sdpa_attention_forward(module, query[:, :, q0 : q0 + q], keys, values, mask, dropout=0.0,
-                                      scaling=scale, is_causal=True)
+        if indices is not None:  # (its selection, as positions among its own rows)
+            picked = indices[:, q0 : q0 + q].long()
+            mask = selection_mask(mask, torch.where(picked >= 0, picked - k0, -1), k)
+        if sinks is not None:
+            o, _ = attention_with_sinks(module, query[:, :, q0 : q0 + q], keys, values, mask, 0.0, scale)
+        else:
+            o, _ = sdpa_attention_forward(module, query[:, :, q0 : q0 + q], keys, values, mask, dropout=0.0,
+                                          scaling=scale, is_causal=True)
         out[:, q0 : q0 + q] = o
 
 
@@ -292,6 +312,9 @@ def graph_refusal(model, page_size: int) -> str | None:
     layers = [m for m in model.modules() if "kv_b_proj" in m._modules and hasattr(m, "qk_nope_head_dim")]
     if not layers:
         return "it has no MLA attention layer"
+    if index_width(config):
+        return ("its sparse (DSA) layers' indexer selects each request's rows on the host every step, which a "
+                "replayed graph would not run")
     weight = next(layers[0].kv_b_proj.parameters())
     requested = capabilities.requested_backend(None, config)
     backend = capabilities.choose_backend(weight.device, model.dtype, config.kv_lora_rank, config.qk_rope_head_dim,
@@ -327,6 +350,8 @@ def manager_checked(original):
     @functools.wraps(original)
     def __init__(self, model, *args, **kwargs):
         refuse_unservable(model)
+        if uses_latent(model.config.get_text_config()):
+            paged_indexer.install(model)  # (a sparse model's indexers select per request)
         original(self, model, *args, **kwargs)
         if uses_latent(self.model.config.get_text_config()):
             cb_config = self.continuous_batching_config
@@ -334,6 +359,20 @@ def manager_checked(original):
             resolve_graphs(cb_config, why)
 
     return __init__
+
+
+def latent_attention_kept(original):
+    # Transformers switches a model whose config says eager to "paged|eager", through set_attn_implementation on the
+    # whole model: a multimodal model whose wrapper and vision tower run eager (HY-V4-VL) would lose flashinfer_mla on
+    # its MLA text model too, which eager cannot serve from the paged latent. A model whose text model runs
+    # flashinfer_mla keeps it (its other sub-models never run under continuous batching's text-only requests).
+    @functools.wraps(original)
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        if uses_latent(model.config.get_text_config()):
+            return None
+        return original(self, model, *args, **kwargs)
+
+    return switch_to_cb_friendly_attn
 
 
 # Where Transformers has laid out a batch on the host

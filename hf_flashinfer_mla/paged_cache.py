@@ -12,6 +12,12 @@ rope`` values, one row per token and layer. The cache is sized by Transformers' 
 that it counts exactly the latent's bytes (DeepSeek-V3: 576 values per token and layer instead of 2 x 128 x 64,
 28x more tokens in the same memory).
 
+A sparse (DSA) model's row also holds the layer's indexer key (``index_head_dim`` values, DeepSeek-V3.2: 512 + 64 +
+128), so the indexer's keys are paged beside the latent by the same block tables: prefix sharing, forks and
+offloading carry them along, and a shared prompt block holds the keys of its own tokens, which depend on its prefix
+only. Its ``indexed_attention`` layers are full-attention layers to the paged cache (`LatentSizing.layer_types`);
+``paged_indexer.py`` selects each request's rows over them.
+
 The attention over these rows is ``paged_attention.py``; this module also holds what continuous batching refuses
 (`refuse_unservable`, `refuse_kept_cache`) and how it runs CUDA graphs and asynchronous batching
 (`resolve_graphs`).
@@ -32,6 +38,8 @@ from .errors import UnsupportedModelError
 from .kernels import ragged
 from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, checkpoint_model_type
 
+INDEXED_ATTENTION = "indexed_attention"  # the layer type of a sparse (DSA) model's attention layers
+
 logger = logging.get_logger("hf_flashinfer_mla")
 
 _ALLOCATOR_ATTR = "_flashinfer_mla_paged"  # on the paged cache's root tensor: the `LatentAllocator` that owns it
@@ -39,19 +47,29 @@ _WEIGHTS_ATTR = "_flashinfer_mla_weights"  # on a latent manager: `weights_seen`
 
 
 def uses_latent(config) -> bool:
-    """Whether Transformers' paged cache for `config` must hold the MLA latent (a dense MLA model on this package)."""
+    """Whether Transformers' paged cache for `config` must hold the MLA latent (an MLA model on this package)."""
     return getattr(config, "_attn_implementation", None) == ATTN_NAME and getattr(config, "kv_lora_rank", None)
 
 
+def index_width(config) -> int:
+    """Values of the indexer key a sparse (DSA) model's paged row holds after the latent (0: a dense model)."""
+    types = getattr(config, "layer_types", None) or ()
+    return int(getattr(config, "index_head_dim", 0) or 0) if INDEXED_ATTENTION in types else 0
+
+
 class LatentSizing:
-    """`config` as Transformers' paged cache should size it: one "key-value head" of ``ceil((rank + rope) / 2)``
-    values, so that its ``2 x heads x head_dim`` per token is the latent row (``rank + rope``, rounded up to even).
-    Every other attribute is the config's own."""
+    """`config` as Transformers' paged cache should size it: one "key-value head" of ``ceil((rank + rope + index) /
+    2)`` values, so that its ``2 x heads x head_dim`` per token is the latent row (``rank + rope``, and a sparse
+    model's indexer key, rounded up to even), and its indexed (DSA) layers typed as full attention. Every other
+    attribute is the config's own."""
 
     def __init__(self, config):
         self._config = config
-        self.head_dim = -(-(config.kv_lora_rank + config.qk_rope_head_dim) // 2)
+        self.head_dim = -(-(config.kv_lora_rank + config.qk_rope_head_dim + index_width(config)) // 2)
         self.num_key_value_heads = 1
+        types = getattr(config, "layer_types", None)
+        if types is not None:
+            self.layer_types = [FULL_ATTENTION if t == INDEXED_ATTENTION else t for t in types]
 
     def __getattr__(self, name):
         return getattr(self._config, name)
@@ -71,8 +89,13 @@ class LatentAllocator(FullAttentionCacheAllocator):
         super().__init__(index=index, config=config, num_key_value_heads=num_key_value_heads, cache_dtype=cache_dtype,
                          page_size=page_size, layer_indices=layer_indices, allow_block_sharing=allow_block_sharing)
         self.rank, self.rope = config.kv_lora_rank, config.qk_rope_head_dim
-        self.row_width = 2 * self.head_dim  # the sizing view's head_dim: rank + rope, rounded up to even
+        self.index_dim = index_width(config._config)  # a sparse model's indexer key, after the latent
+        self.row_width = 2 * self.head_dim  # the sizing view's head_dim: rank + rope (+ index), rounded up to even
         self.step = None  # the step being prepared or run (``paged_attention.PagedStep``)
+        # The forward's read and write indices, as its layers' cache updates receive them (the indexer, which reads
+        # and writes its keys in the same rows, is handed no keyword arguments)
+        self.read_index: torch.Tensor | None = None
+        self.write_index: torch.Tensor | None = None
         self.graphed_layers = weakref.WeakSet()  # attention modules captured in CUDA graphs over this cache
         self.graphs_refused: str | None = None  # why its steps no longer run in graphs (``paged_attention``)
         self.prefill_wrappers = ragged.Wrappers()  # FlashInfer's ragged prefill, planned per step
@@ -98,10 +121,18 @@ class LatentAllocator(FullAttentionCacheAllocator):
         """Write the new latent rows (``[T, 1, rank]``, ``[T, 1, rope]``) and hand back the layer's whole row views:
         the attention reads them in place through the step's page table (no gather here)."""
         rows = self._layer_rows[layer_idx]
-        lat, rot = rows[:, None, : self.rank], rows[:, None, self.rank : self.rank + self.rope]
+        # (a layer without rotary dims writes none: Mistral Large 4's no-rope layers)
+        rope = value_states.shape[-1]
+        lat, rot = rows[:, None, : self.rank], rows[:, None, self.rank : self.rank + rope]
         lat.index_copy_(0, write_index, key_states)
         rot.index_copy_(0, write_index, value_states)
+        self.read_index, self.write_index = read_index, write_index
         return lat, rot
+
+    def index_keys(self, layer_idx: int) -> torch.Tensor:
+        """Layer `layer_idx`'s indexer keys ``[rows, index_dim]``, addressed as its latent rows are."""
+        start = self.rank + self.rope
+        return self._layer_rows[layer_idx][:, start : start + self.index_dim]
 
     def get_cache_for_block_table(self, layer_idx):
         raise NotImplementedError("the paged latent cache has no per-head K/V pages for flash_attn_with_kvcache")
@@ -130,6 +161,13 @@ FullOrLatentAllocator = latent_or(FullAttentionCacheAllocator)
 MLAOrLatentAllocator = None if TRANSFORMERS_MLA_ALLOCATOR is None else latent_or(TRANSFORMERS_MLA_ALLOCATOR)
 
 
+def indexed_as_full(_absent) -> type:
+    """The allocator Transformers' continuous-batching checks should see for a sparse model's indexed (DSA) layers:
+    the full-attention one's. (The paged cache itself never builds one: `LatentSizing` types those layers as full
+    attention, and only this package's attention runs sparse models under continuous batching.)"""
+    return FullOrLatentAllocator
+
+
 def allocator_of(latent: torch.Tensor) -> LatentAllocator | None:
     """The `LatentAllocator` whose rows `latent` views (continuous batching), None for any other cache's tensor."""
     ref = None if latent._base is None else getattr(latent._base, _ALLOCATOR_ATTR, None)
@@ -142,9 +180,10 @@ def build_paged_cache(original, cache, config, *args, **kwargs) -> None:
     sizing = LatentSizing(config)
     original(cache, sizing, *args, **kwargs)
     per_head = 2 * cb_cache.find_num_key_value_heads(config) * cb_cache.find_head_dim(config)
+    latent = next(a for a in cache.cache_allocators.values() if isinstance(a, LatentAllocator))
     logger.info(
-        f"flashinfer_mla: paged latent cache of {cache.num_blocks} blocks of {cache.cache_allocators[FULL_ATTENTION]}"
-        f".tokens_per_page tokens: {2 * sizing.head_dim} values per token and layer, where Transformers' per-head "
+        f"flashinfer_mla: paged latent cache of {cache.num_blocks} blocks of {latent.tokens_per_page} tokens: "
+        f"{2 * sizing.head_dim} values per token and layer, where Transformers' per-head "
         f"K/V would take {per_head} ({per_head / (2 * sizing.head_dim):.1f}x more tokens in the same memory)."
     )
 
@@ -155,13 +194,15 @@ def refuse_unservable(model) -> None:
     config = model.config.get_text_config(decoder=True)
     model_type, impl = getattr(config, "model_type", None), config._attn_implementation
     name = checkpoint_model_type(model_type)  # (as the user's config.json names it)
-    if model_type in SPARSE_MLA_MODEL_TYPES:
+    sparse = model_type in SPARSE_MLA_MODEL_TYPES
+    if sparse and impl != ATTN_NAME:
         raise UnsupportedModelError(
-            f"continuous batching (generate_batch, init_continuous_batching, transformers serve) cannot serve "
-            f'model_type "{name}": its DeepSeek Sparse Attention reads an indexer-selected subset of the cache, which '
-            "Transformers' paged cache does not keep. Use generate()."
+            f'continuous batching (generate_batch, init_continuous_batching, transformers serve) serves model_type '
+            f'"{name}" with attn_implementation="{ATTN_NAME}" only: its DeepSeek Sparse Attention indexer keeps keys '
+            f"of its own, which Transformers' paged cache does not hold for {impl!r}. Load it with "
+            f'attn_implementation="{ATTN_NAME}" (import hf_flashinfer_mla), or use generate().'
         )
-    if model_type not in DENSE_MLA_MODEL_TYPES:
+    if model_type not in DENSE_MLA_MODEL_TYPES and not sparse:
         return  # not an MLA model: Transformers' own business
     if impl != ATTN_NAME and TRANSFORMERS_MLA_ALLOCATOR is None:
         raise UnsupportedModelError(
@@ -171,7 +212,7 @@ def refuse_unservable(model) -> None:
         )
     if impl != ATTN_NAME:
         return  # Transformers 5.25+ pages the latent itself and expands it for eager/sdpa/flash
-    unknown = sorted(set(getattr(config, "layer_types", None) or ()) - {FULL_ATTENTION})
+    unknown = sorted(set(getattr(config, "layer_types", None) or ()) - {FULL_ATTENTION, INDEXED_ATTENTION})
     if unknown:
         raise UnsupportedModelError(
             f'continuous batching cannot serve model_type "{name}": its layers of type {", ".join(unknown)} '

@@ -37,6 +37,7 @@ class Seam(NamedTuple):
     wrap: Callable  # the original -> what replaces it
     versions: str  # the Transformers releases whose code needs the seam
     why: str
+    adds: bool = False  # a table entry Transformers lacks, added (`wrap` gets None)
 
 
 SEAMS = (
@@ -64,12 +65,16 @@ SEAMS = (
          "a compiled step raises for a step its CUDA-graph slots cannot serve"),
     Seam(_CB.ContinuousBatchingManager, "__init__", paged_attention.manager_checked, "5.24, 5.25",
          "refuses unservable models in the caller's thread; decides CUDA graphs; async batching off"),
+    Seam(_CB.ContinuousBatchingManager, "switch_to_cb_friendly_attn", paged_attention.latent_attention_kept,
+         "5.24, 5.25", "would set a multimodal model whose wrapper runs eager to paged|eager, its MLA text model too"),
     Seam(_CB.ContinuousMixin, "init_continuous_batching", paged_cache.cached_manager_checked, "5.24, 5.25",
          "a kept manager is re-checked, its paged cache against the current attention"),
     Seam(cb_cache.PagedAttentionCache, "__init__", paged_cache.latent_paged_cache, "5.24, 5.25",
          "sizes pages from per-head K/V: built with a LatentSizing view"),
     Seam(cb_cache.ATTN_TYPE_TO_ALLOCATOR, "full_attention", paged_cache.latent_or, "5.24, 5.25",
          "the full-attention allocator builds latent rows for a LatentSizing config"),
+    Seam(cb_cache.ATTN_TYPE_TO_ALLOCATOR, paged_cache.INDEXED_ATTENTION, paged_cache.indexed_as_full, "5.24, 5.25",
+         "its checks know no allocator for DSA layers, which page as full attention (LatentSizing)", adds=True),
     Seam(cb_cache, "MLACacheAllocator", paged_cache.latent_or, "5.25",
          "5.25 picks it by name for any config with kv_lora_rank, before the table"),
     Seam(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", paged_attention.paged_steps, "5.24, 5.25",
@@ -83,7 +88,7 @@ def _patch(seam: Seam) -> None:
     """Replace ``owner.name`` (or ``owner[name]``) by ``wrap(original)``, once; skipped where the release lacks it."""
     table = isinstance(seam.owner, dict)
     current = seam.owner.get(seam.name) if table else getattr(seam.owner, seam.name, None)
-    if seam.owner is None or current is None or getattr(current, PATCHED, False):
+    if seam.owner is None or (current is None and not seam.adds) or getattr(current, PATCHED, False):
         return
     wrapped = seam.wrap(current)
     setattr(getattr(wrapped, "__func__", wrapped), PATCHED, True)  # (a classmethod or staticmethod: on its function)

@@ -13,6 +13,8 @@ Random weights (nothing is downloaded). `--requests` prompts of random lengths i
                            asynchronous batching (5.25: both off for sdpa, which needs an attention mask); never
                            switched to a flash attention
   generate-flashinfer_mla  generate() on left-padded static batches of --static-batch requests, one after the other
+                           (--prefill-chunk: their prompts prefilled in chunks of that many tokens, which a sparse
+                           model's indexer needs at long contexts)
   generate-sdpa            the same with attn_implementation="sdpa"
   cb-flashinfer_mla-sdpa-prefill
                            (not run by default) cb-flashinfer_mla with its prefill chunks on SDPA, one request at a
@@ -24,6 +26,8 @@ also the attention, CUDA graphs (varlen, decode) and asynchronous batching the m
 
     python scripts/bench_serving.py --model deepseek-v2-lite --out bench_out
     python scripts/bench_serving.py --model deepseek-v3-attn --out bench_out
+    python scripts/bench_serving.py --model deepseek-v32-attn --requests 64 --prompt-min 4096 --prompt-max 32768 \
+        --static-batch 8 --prefill-chunk 256 --modes cb-flashinfer_mla generate-flashinfer_mla generate-sdpa
     python scripts/bench_serving.py --model tiny --device cpu --dtype float32 --requests 6 --prompt-min 4 \\
         --prompt-max 12 --new 3 --static-batch 4           # CPU smoke test
 """
@@ -154,9 +158,10 @@ def run_static(model, attn, prompts, args, device) -> dict:
             for i, p in enumerate(batch):
                 ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
             steps = StepTimes(device)
+            chunked = {"prefill_chunk_size": args.prefill_chunk} if args.prefill_chunk else {}
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=args.new,
                                  min_new_tokens=args.new, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 streamer=steps)
+                                 streamer=steps, **chunked)
             new = out.shape[1] - width
             tokens += new * len(batch)
             stamps = steps.times[1:]  # after the prompt
@@ -226,6 +231,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-max", type=int, default=4096)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--static-batch", type=int, default=32)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="generate() modes: prefill_chunk_size (default: the whole prompt at once)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + AB_MODES)
     p.add_argument("--cb-page-size", type=int, default=256)
     p.add_argument("--cb-max-batch-tokens", type=int, default=None, help="default: Transformers' (8192)")

@@ -154,14 +154,6 @@ def test_mla_on_other_implementations_refused_or_served_by_transformers(steps):
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
 
 
-def test_sparse_refused():
-    """A DSA model runs flashinfer_mla in generate(), but continuous batching's paged cache has no indexer keys:
-    generate_batch raises in the caller's thread instead of failing every request."""
-    model = make_model("deepseek_v32", dtype=torch.float32)
-    with pytest.raises(UnsupportedModelError, match="Sparse Attention.*Use generate"):
-        model.generate_batch(prompts((3, 4)), generation_config=greedy(), continuous_batching_config=small_cb())
-
-
 def test_non_mla_models_untouched():
     """A non-MLA model passes the check and gets Transformers' own per-head cache."""
     config = CONFIG_MAPPING["llama"](hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

@@ -22,12 +22,22 @@ from ..rows import as_bool_mask
 
 
 def build(backend: str, step, layer, into=None, staged=None):
+    if step.pages is not None and layer.topk:  # a paged sparse layer's indices are its rows: nothing to build
+        return PAGED_SPARSE
     if step.pages is not None:  # a paged cache: each request's rows gathered, and the mask of its real ones
         return step.pages.gather(step.rows().lens, layer.device)
     return weakref.ref(step.mask_on(layer.device, additive=True))
 
 
+PAGED_SPARSE = "paged sparse"
+
+
 def run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None, sinks=None) -> torch.Tensor:
+    if meta is PAGED_SPARSE:  # indices [B, 1, topk]: rows of the paged cache's [1, 1, rows, D] views, -1 for none
+        b, _, k = indices.shape
+        kv_latent, k_rot = (cache[0, 0].index_select(0, indices.clamp_min(0).flatten().long()).view(b, 1, k, -1)
+                            for cache in (kv_latent, k_rot))
+        return attend((indices >= 0)[:, None], layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)
     if isinstance(meta, tuple):  # (rows [B, W] of a paged cache's [1, 1, rows, D] views, mask [B, 1, 1, W])
         index, mask = meta
         b, width = index.shape

@@ -25,6 +25,9 @@
 #                                              # Transformers' own (sdpa over its paged MLA cache), DeepSeek-V2-Lite
 #                                              # and the V3 shape: serving-cb16 (16 requests), serving-cb256 (256)
 #   bash scripts/dev/gpu_round.sh serving-v3   # the same on the V3 attention shape, with the SDPA-prefill A/B
+#   bash scripts/dev/gpu_round.sh serving-sparse # DeepSeek-V3.2's attention with its indexer, 64 requests of 4k-32k
+#                                              # tokens: continuous batching against generate() on batches of 8
+#                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each bounded
 #   bash scripts/dev/gpu_round.sh sparse       # DeepSeek-V3.2's attention with its indexer: the eager-mode grid,
 #                                              # batch 1/8/32 x 8k-128k, then 160k at batch 32
 #   bash scripts/dev/gpu_round.sh fp8          # the FP8 latent cache against bf16 (bench_fp8_cache.py); FP8 weights
@@ -72,7 +75,7 @@ devkit() {
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
 MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb-sdpa256"
-MODES="$MODES serving-v3 sparse fp8 tp tp-bench bench"
+MODES="$MODES serving-v3 serving-sparse sparse fp8 tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
   case " $MODES " in *" $m "*) ;; *) echo "gpu_round.sh: unknown mode '$m' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -213,6 +216,18 @@ mode_serving_v3() {
   run 540 python3 scripts/bench_serving.py --model deepseek-v3-attn --no-progress --out "$D" \
     --modes cb-flashinfer_mla cb-sdpa cb-flashinfer_mla-sdpa-prefill generate-flashinfer_mla generate-sdpa
   show 20
+}
+
+# One process per mode (a mode that runs out of memory or past its bound leaves the others' figures).
+mode_serving_sparse() {
+  local m limits=(cb-flashinfer_mla 200 generate-flashinfer_mla 170 generate-sdpa 200) i
+  for i in 0 2 4; do
+    m=${limits[$i]}
+    run "${limits[$((i + 1))]}" python3 scripts/bench_serving.py --model deepseek-v32-attn --requests 64 \
+      --prompt-min 4096 --prompt-max 32768 --new 256 --static-batch 8 --prefill-chunk 256 --no-progress \
+      --out "$D" --modes "$m" --name "serving_v32_$m.json"
+  done
+  show 40
 }
 
 mode_sparse() {

@@ -1,0 +1,212 @@
+"""A sparse (DSA) model's indexer over continuous batching's paged cache.
+
+Under continuous batching a DSA layer gets every request's tokens packed into one sequence (``[1, T]``), the paged
+cache and no mask. Transformers' indexers score every query token against every key their cache hands back
+(``[B, H, S, keys]``) and keep their keys in the cache (``cache.update_indexer``): over a packed step that would
+score each request against every other request's rows (quadratic in the step's rows), and the paged cache has no
+``update_indexer``.
+
+Here the model's own indexer (its projections, rotary, scoring and top-k, unchanged: each family's differ) runs
+once per group of requests (`select`): the step's decode requests as one batch ``[G, 1]``, each over its own rows
+padded to the longest, and each prefill chunk alone, both in slices whose scores fit `SCORE_BYTES`. Each call sees
+`RequestRows` as its cache: its ``update_indexer`` writes the call's new keys into the paged rows beside the latent
+(``paged_cache.LatentAllocator.index_keys``) and returns each request's keys; its mask is each request's causal
+mask over its own rows. The selection comes back as positions in the step's read indices (``[1, T, topk]`` int32,
+-1 past a token's visible rows and on padding tokens), so it means the same to every layer of the step: a layer of
+"shared" indexer type reuses the previous layer's, as it does in ``generate()``; ``paged_attention.attend`` turns
+it into the layer's rows.
+
+Transformers builds no mask for a paged cache, and a DSA layer slices its mask (``attention_mask[:, 0]``) before it
+calls its indexer: `step_mask` gives those layers an empty one (``[1, 1, T, 0]``), which the indexer here never
+reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnsupportedModelError
+from .paged_cache import LatentAllocator, index_width, uses_latent
+from .rows import to_device
+
+# The most fp32 scores one indexer call may hold (``[G, H, q, keys]``): a prefill chunk of 8k tokens over 32k rows
+# at 64 index heads would otherwise take 64 GiB.
+SCORE_BYTES = 1 << 30
+
+# The indexer arguments a group's call is sliced from (the rest are passed on as they are): how their token
+# dimension is laid out. A family whose indexer takes another tensor is refused (`refusal`).
+_TOKEN_DIM = {"hidden_states": "batch", "q_resid": "batch", "position_embeddings": "batch",
+              "position_ids": "positions", "attention_mask": "mask", "cache": "cache"}
+
+
+def latent_allocator(cache) -> LatentAllocator | None:
+    """The `LatentAllocator` of a continuous-batching cache holding this package's latent rows (None: any other)."""
+    allocators = getattr(cache, "cache_allocators", None)
+    if not isinstance(allocators, dict):
+        return None
+    return next((a for a in allocators.values() if isinstance(a, LatentAllocator)), None)
+
+
+def step_mask(config, inputs_embeds: torch.Tensor, cache) -> torch.Tensor | None:
+    """The mask a sparse model's layers get under continuous batching (None: not such a forward)."""
+    if not (uses_latent(config) and index_width(config)) or latent_allocator(cache) is None:
+        return None
+    return torch.ones(1, 1, inputs_embeds.shape[1], 0, dtype=torch.bool, device=inputs_embeds.device)
+
+
+def install(model) -> None:
+    """Make `model`'s indexers (a sparse model's; none in a dense one) run per request group on a paged latent cache
+    (`select`); their classes' `forward` is wrapped once, and runs unchanged on any other cache. Raises
+    `UnsupportedModelError` for an indexer taking an argument this module does not know how to slice per request."""
+    for module in model.modules():
+        cls = type(module)
+        if "Indexer" not in cls.__name__ or "cache" not in inspect.signature(cls.forward).parameters:
+            continue
+        unknown = sorted(set(inspect.signature(cls.forward).parameters) - set(_TOKEN_DIM) - {"self", "kwargs"})
+        if unknown:
+            raise UnsupportedModelError(
+                f"continuous batching cannot run {cls.__name__} per request: it takes {', '.join(unknown)}, which "
+                "this package does not slice per request. Use generate().")
+        if not getattr(cls.forward, "_flashinfer_mla_hook", False):
+            cls.forward = _per_request_groups(cls.forward)
+
+
+def _per_request_groups(forward):
+    signature = inspect.signature(forward)
+
+    @functools.wraps(forward)
+    def indexer_forward(self, *args, **kwargs):
+        # On a paged latent cache the packed forward's selection is made per request group; elsewhere, unchanged.
+        bound = signature.bind(self, *args, **kwargs)
+        allocator = latent_allocator(bound.arguments.get("cache"))
+        if allocator is None:
+            return forward(self, *args, **kwargs)
+        return select(self, forward, bound, allocator)
+
+    indexer_forward._flashinfer_mla_hook = True
+    return indexer_forward
+
+
+class RequestRows:
+    """The cache one indexer call sees: `update_indexer` writes the new keys of the call's tokens into the paged rows
+    and returns each request's keys ``[G, width, D]`` (a request's rows past its own are its first row's: masked)."""
+
+    def __init__(self, keys: torch.Tensor, write: torch.Tensor, read: torch.Tensor):
+        self.keys, self.write, self.read = keys, write, read
+
+    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        self.keys.index_copy_(0, self.write, key_states.reshape(-1, key_states.shape[-1]).to(self.keys.dtype))
+        return self.keys[self.read]
+
+
+@dataclass(eq=False)
+class Call:
+    """One indexer call of a step: `requests` (rows of the step) with `q` query tokens each, starting at query
+    token `first` of their chunk; `tokens` [G * q] their positions in the packed forward, `read` [G, width] the
+    positions in the step's read indices of each request's rows (its own `lens` of them first), `last` [G, q] the
+    last of its own rows each query token sees."""
+
+    requests: list[int]
+    q: int
+    tokens: torch.Tensor  # host, long
+    read: torch.Tensor  # host, long
+    lens: torch.Tensor  # host, long
+    last: torch.Tensor  # host, long
+    offsets: torch.Tensor  # host, long: each request's first position in the read indices
+    on_device: tuple | None = None  # what every layer's call reads of it on the device (`device_view`)
+
+    def device_view(self, device, source: torch.Tensor, write_index: torch.Tensor) -> tuple:
+        """``(tokens, last, offsets, rows written, rows read [G, width])`` on the device, built by the step's first
+        layer and read by the others (a step's read and write indices are its layers')."""
+        if self.on_device is None:
+            tokens = to_device(self.tokens, device)
+            read = source.index_select(0, to_device(self.read.flatten(), device)).view(self.read.shape)
+            self.on_device = (tokens, to_device(self.last, device), to_device(self.offsets, device),
+                              write_index.index_select(0, tokens), read)
+        return self.on_device
+
+
+def calls(step, heads: int) -> list[Call]:
+    """The step's indexer calls: its decode requests together, each prefill chunk alone, in slices whose scores
+    (``[G, heads, q, width]`` fp32) fit `SCORE_BYTES`. Planned once per step, on the host."""
+    out = []
+    decode = step.decode.tolist()
+    if decode:
+        width = int(step.k_lens[decode].max())
+        per = max(1, SCORE_BYTES // (heads * width * 4))
+        for i in range(0, len(decode), per):
+            out.append(_call(step, decode[i : i + per], 0, 1))
+    for r in step.chunks:
+        q, k = int(step.q_lens[r]), int(step.k_lens[r])
+        per = max(1, SCORE_BYTES // (heads * k * 4))
+        for first in range(0, q, per):
+            out.append(_call(step, [r], first, min(per, q - first)))
+    return out
+
+
+def _call(step, requests: list[int], first: int, q: int) -> Call:
+    rows = torch.tensor(requests, dtype=torch.long)
+    lens, q_lens = step.k_lens[rows], step.q_lens[rows]
+    offsets = step.kv_offsets[rows]
+    width = int(lens.max())
+    j = torch.arange(width)
+    read = offsets[:, None] + torch.where(j < lens[:, None], j, 0)
+    tokens = (step.cu_q[rows][:, None] + first + torch.arange(q)).flatten()
+    last = (lens - q_lens)[:, None] + first + torch.arange(q)  # query i sees its rows up to k_len - q_len + i
+    return Call(requests, q, tokens, read, lens, last, offsets)
+
+
+@torch.no_grad()
+def select(indexer, forward, bound: inspect.BoundArguments, allocator: LatentAllocator) -> torch.Tensor:
+    """The indexer's selection for a packed continuous-batching forward: ``[1, T, topk]`` int32 positions in the
+    step's read indices, -1 where none (see the module's docstring)."""
+    step = allocator.step
+    hidden = bound.arguments["hidden_states"]
+    total = hidden.shape[1]
+    first_layer = indexer.layer_idx == allocator.layer_indices[0]
+    if step is None or step.tokens != total or (first_layer and step.started):
+        raise RuntimeError("flashinfer_mla: a sparse model's paged forward was not prepared by continuous batching's "
+                           "loop (generate_batch, init_continuous_batching); run it there, or use generate()")
+    device = hidden.device
+    read_index, write_index = allocator.read_index, allocator.write_index
+    source = read_index if read_index.numel() else write_index
+    if step.index_calls is None:
+        step.index_calls = calls(step, getattr(indexer, "n_heads", 64))
+    keys = allocator.index_keys(indexer.layer_idx)
+    picks = []
+    for call in step.index_calls:
+        g, q = len(call.requests), call.q
+        tokens, last, offsets, written, read = call.device_view(device, source, write_index)
+        args = bound.arguments.copy()
+        for name, kind in _TOKEN_DIM.items():
+            if name not in args or args[name] is None:
+                continue
+            if kind == "batch":
+                args[name] = _per_request(args[name], tokens, g, q)
+            elif kind == "positions":
+                value = args[name]
+                args[name] = value.index_select(-1, tokens).view(*value.shape[:-2], g, q)
+        args["attention_mask"] = torch.arange(read.shape[1], device=device) <= last[..., None]  # [G, q, width]
+        args["cache"] = RequestRows(keys, written, read)
+        call_args = inspect.BoundArguments(bound.signature, args)
+        local = forward(*call_args.args, **call_args.kwargs).long()  # [G, q, k]
+        seen = local <= last[..., None]  # (the indexer ranks what its mask hides last)
+        position = offsets[:, None, None] + local
+        picks.append((tokens, torch.where(seen, position, -1).view(g * q, -1)))
+    topk = max(p.shape[-1] for _, p in picks)
+    selection = torch.full((total, topk), -1, dtype=torch.int32, device=device)
+    for tokens, p in picks:
+        selection[tokens, : p.shape[-1]] = p.to(torch.int32)
+    return selection[None]
+
+
+def _per_request(value, tokens: torch.Tensor, g: int, q: int):
+    """A packed ``[..., 1, T, d]`` argument (or a tuple of them: rotary cos and sin) as ``[..., G, q, d]``."""
+    if isinstance(value, tuple):
+        return tuple(_per_request(v, tokens, g, q) for v in value)
+    picked = value.index_select(-2, tokens)
+    return picked.view(*value.shape[:-3], g, q, value.shape[-1])
