@@ -220,7 +220,7 @@ mode_serving_v3() {
 
 # One process per mode (a mode that runs out of memory or past its bound leaves the others' figures).
 mode_serving_sparse() {
-  local m limits=(cb-flashinfer_mla 200 generate-flashinfer_mla 170 generate-sdpa 200) i
+  local m limits=(cb-flashinfer_mla 170 generate-flashinfer_mla 150 generate-sdpa 150) i
   for i in 0 2 4; do
     m=${limits[$i]}
     run "${limits[$((i + 1))]}" python3 scripts/bench_serving.py --model deepseek-v32-attn --requests 64 \
