@@ -301,12 +301,24 @@ def _dequantize_fp8(proj: nn.Module, dtype: torch.dtype):
 
 
 def _dequantize_bnb_4bit(proj: nn.Module, dtype: torch.dtype):
+    import copy
+
     import bitsandbytes.functional as bnbf
 
-    return bnbf.dequantize_4bit(proj.weight.data, proj.weight.quant_state).to(dtype), proj.bias
+    weight, state = proj.weight.data, proj.weight.quant_state
+    if getattr(state, "packing_format_for_cpu", False):
+        # On CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight for its CPU kernel at the first forward, a
+        # layout its dequantization does not read (it returns other values, silently): unpacked first, through its
+        # own inverse, on copies (the inverse rewrites the state it is given). A release without it: None.
+        unpack = getattr(bnbf, "_convert_weight_packed_for_cpu_inverse", None)
+        if unpack is None:
+            return None
+        weight, state = unpack(weight.clone(), copy.deepcopy(state))
+    return bnbf.dequantize_4bit(weight, state).to(dtype), proj.bias
 
 
-# Quantized linear class name -> its library's dequantization. Everything else goes through the identity basis.
+# Quantized linear class name -> its library's dequantization (None where it cannot read the weight as it is). Everything
+# else goes through the identity basis.
 DEQUANTIZERS: dict[str, Callable[[nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]]] = {
     "FP8Linear": _dequantize_fp8,
     "Linear4bit": _dequantize_bnb_4bit,
@@ -392,9 +404,8 @@ def _derive(proj: nn.Module, rank: int, dtype: torch.dtype):
     if _is_plain_linear(proj):
         return proj.weight, proj.bias
     dequantize = DEQUANTIZERS.get(type(proj).__name__)
-    if dequantize is not None:
-        return dequantize(proj, dtype)
-    return _from_identity_basis(proj, rank, dtype)
+    derived = None if dequantize is None else dequantize(proj, dtype)
+    return derived if derived is not None else _from_identity_basis(proj, rank, dtype)
 
 
 def _unpack(packed: torch.Tensor, has_bias: bool):

@@ -4,6 +4,11 @@ takes the server down.
 * requests (`_check_request`): sampling settings out of range or of the wrong type are refused with a 400 naming the
   field, a chat completion without a list of ``messages`` with a 422, each in OpenAI's error shape
   (``{"error": {"message", "type", "param", "code"}}``); any other error of a request is its own error response;
+* what a request asks for is honoured or refused, never silently dropped (`honoured`): ``stop`` ends the answer
+  before the stop string with ``finish_reason`` "stop" (Transformers ignores it under continuous batching and fails
+  without it), streamed or not; ``n`` > 1 gives n choices (n requests through the same queue, which share the
+  prompt's cached blocks); the fields Transformers accepts and ignores (``logprobs``, ``presence_penalty``,
+  ``response_format``, ...) are refused with a 400 naming them where they would change the answer (`_IGNORED`);
 * answers (`cap_new_tokens`): ``max_tokens`` (or ``max_completion_tokens``, ``max_output_tokens``), given or not, is
   capped at the context (``--max-model-len``, else the model's ``max_position_embeddings``) minus the prompt, and an
   answer stopped there has ``finish_reason`` ``"length"`` (Transformers' default is 1,024 new tokens whatever the
@@ -123,6 +128,181 @@ def _check_request(handler, body: dict) -> None:
         _check_settings(settings, _GENERATION_CONFIG_SETTINGS, prefix="generation_config.")
 
 
+# Fields Transformers' server takes and ignores (with a warning in its log): refused where the request asks for
+# something by them, as (field, asks for something?, what to do instead). The others it ignores change nothing in an
+# answer (user, metadata, store, service_tier, prediction: a hint for speed, parallel_tool_calls).
+_IGNORED = (
+    ("logprobs", lambda v: v not in (None, False), "token log-probabilities are not returned; leave it out"),
+    ("top_logprobs", lambda v: v not in (None, 0), "token log-probabilities are not returned; leave it out"),
+    ("presence_penalty", lambda v: v not in (None, 0), "not applied; use frequency_penalty"),
+    ("response_format", lambda v: v is not None and (not isinstance(v, dict) or v.get("type") != "text"),
+     "structured output is not enforced; leave it out or give {\"type\": \"text\"}"),
+    ("tool_choice", lambda v: v not in (None, "auto"),
+     "a tool cannot be forced or forbidden; leave it out (tools are offered through the chat template)"),
+    ("functions", lambda v: v is not None, "use tools"),
+    ("function_call", lambda v: v is not None, "use tools"),
+    ("audio", lambda v: v is not None, "the server answers in text only"),
+    ("modalities", lambda v: v not in (None, ["text"]), "the server answers in text only"),
+    ("reasoning_effort", lambda v: v is not None, "not applied; leave it out"),
+    ("web_search_options", lambda v: v is not None, "the server has no web search"),
+    ("best_of", lambda v: v not in (None, 1), "use n"),
+    ("echo", lambda v: v not in (None, False), "the prompt is not echoed; leave it out"),
+)
+
+
+def _continuous_batching(handler) -> bool:
+    state = getattr(handler, "generation_state", None)  # (5.25+; 5.24's handlers have a manager per path)
+    if state is not None:
+        return bool(getattr(state, "_continuous_batching", False))
+    return type(getattr(handler, "generate_manager", None)).__name__ == "CBGenerateManager"
+
+
+def honoured(handler, body: dict) -> tuple[list[str], int]:
+    """``(stop strings, n)`` of a request, once every field it asks for is known to be honoured; raises
+    `RequestError` naming the first one that is not."""
+    for field, asks, instead in _IGNORED:
+        if field in body and asks(body[field]):
+            raise RequestError(f"`{field}` is not supported by this server: {instead}", field)
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None and (not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops)):
+        raise RequestError("`stop` must be a non-empty string or a list of them", "stop")
+    n = body.get("n") or 1
+    if n > 1 and body.get("stream"):
+        raise RequestError("`n` > 1 is answered without streaming: send stream false, or n requests", "n")
+    sampling = body.get("temperature") != 0 and (body.get("temperature") is not None or body.get("top_p") is not None)
+    if body.get("seed") is not None and sampling and _continuous_batching(handler):
+        raise RequestError("`seed` cannot be honoured under continuous batching, whose requests share one random "
+                           "stream: leave it out, or serve without --continuous-batching", "seed")
+    return stops or [], n
+
+
+def _cut(text: str, stops: list[str]) -> int | None:
+    """Where `text` first holds one of `stops` (None: nowhere)."""
+    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` may begin a stop string, and must wait for the next ones."""
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+
+def _answer_field(choice: dict) -> tuple[dict, str] | None:
+    """The dict and key of a choice's text: a chat completion's message or delta ``content``, a completion's ``text``."""
+    for holder, key in ((choice.get("message"), "content"), (choice.get("delta"), "content"), (choice, "text")):
+        if isinstance(holder, dict) and isinstance(holder.get(key), str):
+            return holder, key
+    return None
+
+
+def _stopped_json(response, stops: list[str]):
+    """A JSON answer cut before its first stop string, with ``finish_reason`` "stop" there."""
+    from fastapi.responses import JSONResponse
+
+    if response.status_code != 200:
+        return response
+    data = json.loads(response.body)
+    for choice in data.get("choices", []):
+        field = _answer_field(choice)
+        cut = None if field is None else _cut(field[0][field[1]], stops)
+        if cut is not None:
+            field[0][field[1]] = field[0][field[1]][:cut]
+            choice["finish_reason"] = "stop"
+    return JSONResponse(data, status_code=response.status_code)
+
+
+def _stopped_stream(response, stops: list[str]):
+    """A streamed answer whose text ends before its first stop string: what may begin one is held back until the
+    next text decides; at a stop string the stream ends with a chunk whose ``finish_reason`` is "stop", and the
+    generation is cancelled (the source stream is closed, which cancels it)."""
+    source = response.body_iterator
+
+    async def events():
+        held, last = "", None
+        try:
+            async for chunk in source:
+                for event in (chunk if isinstance(chunk, str) else chunk.decode()).split("\n\n"):
+                    if not event.strip():
+                        continue
+                    payload = event[len("data: "):] if event.startswith("data: ") else None
+                    data = None
+                    try:
+                        data = json.loads(payload) if payload is not None else None
+                    except ValueError:
+                        pass
+                    choice = (data.get("choices") or [None])[0] if isinstance(data, dict) else None
+                    field = None if choice is None else _answer_field(choice)
+                    if field is None:
+                        if choice is not None and choice.get("finish_reason") and held:
+                            yield _event(last, held)
+                            held = ""
+                        yield event + "\n\n"
+                        continue
+                    last = data
+                    held += field[0][field[1]]
+                    cut = _cut(held, stops)
+                    if cut is not None:
+                        if cut:
+                            yield _event(data, held[:cut])
+                        yield _event(data, "", finish_reason="stop")
+                        return
+                    keep = _held_back(held, stops)
+                    if len(held) > keep:
+                        yield _event(data, held[: len(held) - keep])
+                        held = held[len(held) - keep :]
+            if held and last is not None:
+                yield _event(last, held)
+        finally:
+            await source.aclose()  # (the server's own stream cancels its generation when closed)
+
+    response.body_iterator = events()
+    return response
+
+
+def _event(data: dict, text: str, finish_reason: str | None = None) -> str:
+    """`data` (a streamed chunk) with its text set to `text` (and its finish_reason), as one SSE event."""
+    data = json.loads(json.dumps(data))
+    choice = data["choices"][0]
+    holder, key = _answer_field(choice)
+    holder[key] = text
+    if finish_reason is not None:
+        choice["finish_reason"] = finish_reason
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _n_choices(handle_request, handler, body: dict, args: tuple, kwargs: dict, n: int):
+    """n answers to one request, as n requests at once (their own ids; a `seed` gives each its own, seed + i), merged
+    into one answer of n choices: usage counts the prompt once and every choice's tokens."""
+    import asyncio
+
+    from fastapi.responses import JSONResponse
+
+    def one(i):
+        single = {**body, "n": 1}
+        if body.get("seed") is not None:
+            single["seed"] = body["seed"] + i
+        # (each its own request id: continuous batching keys its requests by them)
+        if args and isinstance(args[0], str):
+            return handle_request(handler, single, f"{args[0]}-{i}", *args[1:], **kwargs)
+        if isinstance(kwargs.get("request_id"), str):
+            return handle_request(handler, single, *args, **{**kwargs, "request_id": f"{kwargs['request_id']}-{i}"})
+        return handle_request(handler, single, *args, **kwargs)
+
+    responses = await asyncio.gather(*(one(i) for i in range(n)))
+    failed = next((r for r in responses if r.status_code != 200), None)
+    if failed is not None:
+        return failed
+    answers = [json.loads(r.body) for r in responses]
+    merged = answers[0]
+    merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+    usage = merged.get("usage")
+    if isinstance(usage, dict):
+        usage["completion_tokens"] = sum(a["usage"]["completion_tokens"] for a in answers)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return JSONResponse(merged)
+
+
 def _engine_dead_errors() -> tuple[type, ...]:
     """Transformers' error for a dead engine (5.25+), which its own handler answers with a 503. (5.24's
     `CBWorkerDeadError` is not one here: the worker restarts, so it is the error of its request, a 500.)"""
@@ -140,9 +320,20 @@ def _answering_errors(handle_request):
         from starlette.exceptions import HTTPException
 
         try:
+            stops, n = [], 1
             if isinstance(body, dict):
                 _check_request(self, body)
-            return await handle_request(self, body, *args, **kwargs)
+                stops, n = honoured(self, body)
+                # (Transformers' own stop handling fails without continuous batching, and is ignored with it)
+                body = {key: value for key, value in body.items() if key != "stop"}
+            if n > 1:
+                response = await _n_choices(handle_request, self, body, args, kwargs, n)
+            else:
+                response = await handle_request(self, body, *args, **kwargs)
+            if stops and response.status_code == 200:
+                streamed = hasattr(response, "body_iterator")
+                response = _stopped_stream(response, stops) if streamed else _stopped_json(response, stops)
+            return response
         except RequestError as error:
             return _error_response(str(error), error.status, "invalid_request_error", error.param)
         except HTTPException as error:  # Transformers' own refusals (unknown fields, ...): same shape

@@ -251,15 +251,26 @@ def mla_layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "kv_b_proj")]
 
 
+# The latent width of a model whose kv_b_proj bitsandbytes quantizes: its CPU kernels (on CPUs with AVX512-BF16)
+# pack 4-bit weights in blocks of 64 inputs and fail for narrower ones (`shape '[128, 0]' is invalid`).
+BNB_RANK = 64
+
+
 def kv_b_proj_to_4bit(model) -> None:
     """Every MLA layer's kv_b_proj replaced by a bitsandbytes 4-bit (nf4) copy of it; the test is skipped where
-    bitsandbytes is missing or cannot quantize on this CPU."""
+    bitsandbytes is missing or cannot quantize on this CPU. The model's latent must be `BNB_RANK` wide (or a
+    multiple of it): ``make_model(..., kv_lora_rank=BNB_RANK)``."""
     bnb = pytest.importorskip("bitsandbytes")
     for m in mla_layers(model):
         lin = m.kv_b_proj
+        assert lin.in_features % BNB_RANK == 0, f"give the model kv_lora_rank={BNB_RANK} (bitsandbytes' CPU blocks)"
         q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.float32,
                               quant_type="nf4")
         q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4")
+        # (On a CPU with AVX512-BF16 bitsandbytes would repack the weight at the first forward for a kernel that
+        # computes in bf16: eager's numbers would then depend on the CPU. Off, every CPU computes in float32;
+        # test_absorption checks a repacked weight on its own.)
+        q.support_avx512bf16_for_cpu = False
         try:
             m.kv_b_proj = q.to("cpu")
         except Exception as exc:  # bitsandbytes without a CPU backend

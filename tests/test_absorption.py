@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune
-from helpers import (assert_batch_matches_eager_alone, decode_logits, kv_b_proj_to_4bit, left_padded_batch, make_model,
+from helpers import (BNB_RANK, assert_batch_matches_eager_alone, decode_logits, kv_b_proj_to_4bit, left_padded_batch, make_model,
                      rel_err)
 from torch import nn
 from transformers import DynamicCache
@@ -327,12 +327,33 @@ def test_trainable_custom_linear_keeps_its_gradient():
 
 
 def test_bitsandbytes_4bit_matches_eager():
-    model = make_model("deepseek_v3", dtype=torch.float32)
+    model = make_model("deepseek_v3", dtype=torch.float32, kv_lora_rank=BNB_RANK)
     kv_b_proj_to_4bit(model)
     ids, mask, prompts = left_padded_batch(lengths=(7, 4, 9))
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
     assert_batch_matches_eager_alone(model, out, prompts, NEW_TOKENS, tol=1e-4)
+
+
+def test_a_bitsandbytes_weight_repacked_for_its_cpu_kernel_is_absorbed_as_it_computes():
+    """On CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight at the first forward for its CPU kernel (bf16
+    block scales, another layout). The derived matrix is then the repacked weight's, read through bitsandbytes' own
+    inverse. Control: its dequantization handed the repacked weight as it is returns other values."""
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    if not hasattr(bnbf, "_convert_weight_packed_for_cpu"):
+        pytest.skip("this bitsandbytes has no CPU repacking")
+    model = make_model("deepseek_v3", dtype=torch.float32, kv_lora_rank=BNB_RANK)
+    kv_b_proj_to_4bit(model)
+    proj = model.model.layers[0].self_attn.kv_b_proj
+    before = absorption._derive(proj, BNB_RANK, torch.float32)[0].clone()
+    proj.weight.data, proj.weight.quant_state = bnbf._convert_weight_packed_for_cpu(proj.weight.data,
+                                                                                  proj.weight.quant_state)
+    assert proj.weight.quant_state.packing_format_for_cpu
+    after = absorption._derive(proj, BNB_RANK, torch.float32)[0]
+    assert proj.weight.quant_state.packing_format_for_cpu  # (the module keeps its repacked weight)
+    assert rel_err(after, before) < 1e-2  # the same matrix, at the repacking's bf16 block scales
+    as_is = bnbf.dequantize_4bit(proj.weight.data, proj.weight.quant_state).float()
+    assert as_is.shape != before.shape or rel_err(as_is, before) > 0.1
 
 
 def test_fp8_teacher_forced_matches_eager(fp8_kernel):

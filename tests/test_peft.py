@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from helpers import (VOCAB, decode_logits, kv_b_proj_rows, kv_b_proj_to_4bit, left_padded_batch, make_model, mla_layers,
+from helpers import (BNB_RANK, VOCAB, decode_logits, kv_b_proj_rows, kv_b_proj_to_4bit, left_padded_batch, make_model, mla_layers,
                      rel_err)
 from transformers import DynamicCache
 
@@ -450,7 +450,7 @@ def test_a_data_write_to_lora_b_between_generate_calls_is_followed():
 def test_a_lora_over_a_4bit_base_follows_its_adapter_as_written():
     """QLoRA: a LoRA over a bitsandbytes 4-bit kv_b_proj. The base is absorbed through its dequantized copy, the
     adapter live on top: a ``.data`` write to the adapter's factors is followed at the next step, as eager does."""
-    model = make_model("deepseek_v3", dtype=torch.float32)
+    model = make_model("deepseek_v3", dtype=torch.float32, kv_lora_rank=BNB_RANK)
     kv_b_proj_to_4bit(model)
     torch.manual_seed(100)
     pm = get_peft_model(model, lora_config(), adapter_name=FIRST).eval()

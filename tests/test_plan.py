@@ -77,18 +77,24 @@ def test_generation_modes_on_the_kernel_match_the_reference(fake_hopper, monkeyp
     assert_same_outputs(ours, ref, TOL)
 
 
+def _ours(o) -> bool:
+    return isinstance(o, torch.Tensor) or str(getattr(type(o), "__module__", "")).startswith("hf_flashinfer_mla")
+
+
 def _garbage_of_generate(model, **kwargs) -> list:
     """The objects a generate() call left in reference cycles (found by Python's garbage collector, not freed when
-    the call returned): the package's own objects and tensors only."""
+    the call returned): the package's own objects and tensors only, and only those the call made. (Objects alive
+    before it, an earlier test's compiled graphs' fake tensors among them, are held until it returns, so none of them
+    can turn up here, whatever ran before.)"""
     ids, mask, _ = left_padded_batch()
     gc.collect()
+    earlier = [o for o in gc.get_objects() if _ours(o)]  # noqa: F841  (held: see above)
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **kwargs)
         gc.collect()
-        return [o for o in gc.garbage if isinstance(o, torch.Tensor)
-                or type(o).__module__.startswith("hf_flashinfer_mla")]
+        return [o for o in gc.garbage if _ours(o)]
     finally:
         gc.garbage.clear()
         gc.set_debug(0)

@@ -39,11 +39,11 @@ NEW_TOKENS = 6
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def save_model(path: Path, model_type: str = "deepseek_v3") -> None:
+def save_model(path: Path, model_type: str = "deepseek_v3", model=None) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    model = make_model(model_type, dtype=torch.float32)
+    model = make_model(model_type, dtype=torch.float32) if model is None else model
     model.generation_config.eos_token_id = None
     model.save_pretrained(path)
     vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, VOCAB - 3)}, "<user>": VOCAB - 3, "<bot>": VOCAB - 2,
@@ -483,3 +483,124 @@ def test_a_model_path_that_does_not_exist_as_the_user_sees_it():
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: FORCE_MODEL /nonexistent/path: no such "), lines
     assert proc.stdout == ""
+
+
+# --- what a request asks for: honoured, or refused naming the field ---------------------------------------------------
+
+def _cut_words(words: list[str], stop: str) -> list[str]:
+    text = " ".join(words)  # (the answer's text, as the tokenizer's decoder joins its words)
+    return text[: text.index(stop)].split()
+
+
+SERVERS = pytest.mark.parametrize("which", ["server", "generate_server"], ids=["continuous-batching", "generate"])
+
+
+@SERVERS
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("as_list", [False, True], ids=["string", "list"])
+def test_stop_ends_the_answer_before_the_stop_string(which, stream, as_list, request, expected):
+    """Transformers ignored `stop` under continuous batching (the answer ran on, finish_reason "length") and failed
+    the request without it (a 400, "substring not found"). The answer is eager's words up to the stop string, and
+    says "stop"."""
+    url, path, process = request.getfixturevalue(which)
+    content = "w3 w4 w5"
+    words = expected(content)
+    stop = f"{words[3]}"  # (a later word's text: the answer must end before its first occurrence)
+    body = {"model": str(path), "messages": [{"role": "user", "content": content}], "max_tokens": NEW_TOKENS,
+            "temperature": 0, "stop": ["<never>", stop] if as_list else stop}
+    got = answer(url, body, stream)
+    assert got["status"] == 200 and got["error"] is None, got
+    assert got["words"] == _cut_words(words, stop) and got["finish_reason"] == "stop", (words, stop, got)
+    assert healthy(url, process)
+
+
+@SERVERS
+def test_n_gives_n_choices_of_eager_tokens(which, request, expected):
+    """Transformers answered `n: 2` with one choice. Greedy: each of the n choices is eager's answer."""
+    url, path, process = request.getfixturevalue(which)
+    content = "w10 w11 w12"
+    body = {"model": str(path), "messages": [{"role": "user", "content": content}], "max_tokens": NEW_TOKENS,
+            "temperature": 0, "n": 2}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    assert [c["message"]["content"].split() for c in data["choices"]] == [expected(content)] * 2
+    assert data["usage"]["completion_tokens"] == 2 * NEW_TOKENS
+    response = httpx.post(f"{url}/v1/completions", json={"model": str(path), "prompt": "w3 w4", "max_tokens": 3,
+                                                         "temperature": 0, "n": 3}, timeout=REQUEST_TIMEOUT)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 3, response.text
+    got = answer(url, body, stream=True)  # n streamed choices are not served: refused, naming n
+    assert got["status"] == 400 and got["error"]["param"] == "n", got
+    assert healthy(url, process)
+
+
+IGNORED_BY_TRANSFORMERS = [
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+]
+
+
+@pytest.mark.parametrize("settings, field", IGNORED_BY_TRANSFORMERS, ids=[f for _, f in IGNORED_BY_TRANSFORMERS])
+def test_fields_the_server_cannot_honour_get_400_naming_them(server, settings, field):
+    """Transformers accepted these and answered without them (a warning in its log only)."""
+    url, path, _ = server
+    body = {"model": str(path), "messages": [{"role": "user", "content": "w3"}], "max_tokens": 2, **settings}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and f"`{field}`" in error["message"], error
+
+
+@SERVERS
+def test_the_same_fields_asking_nothing_are_answered_and_seed_is_refused_only_where_it_cannot_hold(which, request,
+                                                                                                  expected):
+    url, path, process = request.getfixturevalue(which)
+    content = "w3 w4 w5"
+    harmless = {"logprobs": False, "presence_penalty": 0, "response_format": {"type": "text"}, "user": "u",
+                "seed": 3, "temperature": 0}
+    got = answer(url, {"model": str(path), "messages": [{"role": "user", "content": content}],
+                       "max_tokens": NEW_TOKENS, **harmless}, stream=False)
+    assert got["status"] == 200 and got["words"] == expected(content), got
+    sampled = {"model": str(path), "messages": [{"role": "user", "content": content}], "max_tokens": 3,
+               "temperature": 0.8, "seed": 7}
+    got = [answer(url, sampled, stream=False) for _ in range(2)]
+    if which == "server":  # continuous batching: one random stream for every request, no per-request seed
+        assert all(g["status"] == 400 and g["error"]["param"] == "seed" for g in got), got
+    else:  # generate(): seeded before each request, so the same seed gives the same sample
+        assert got[0]["status"] == 200 and got[0]["words"] == got[1]["words"], got
+    assert healthy(url, process)
+
+
+# --- a sparse-attention (DSA) model under continuous batching ----------------------------------------------------------
+
+def test_a_sparse_model_served_with_continuous_batching_answers_as_eager(tmp_path):
+    """A DeepSeek-V3.2-style checkpoint (DSA: each token attends to its indexer's top-4 rows) served with continuous
+    batching: concurrent requests, streamed or not, with prompts longer than top-k, get eager generate()'s words."""
+    from transformers import AutoTokenizer, DeepseekV32ForCausalLM
+
+    from test_continuous_batching_sparse import sparse_model
+
+    save_model(tmp_path, model=sparse_model("deepseek_v32", dtype=torch.float32))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    model = DeepseekV32ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
+
+    def words(content: str) -> list[str]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split()
+
+    contents = ["w3 w4 w5 w6 w7 w8", "w10 w11 w12 w13 w14 w15 w16 w17 w18", "w7", "w20 w21 w22 w23 w24 w25 w26"]
+    with serving(tmp_path, "--continuous-batching", "--cb-block-size", "16", "--cb-num-blocks", "64",
+                 "--cb-max-batch-tokens", "16", log_name="sparse_server.log") as (url, process):
+        with ThreadPoolExecutor(len(contents)) as pool:
+            futures = [pool.submit(chat, (url, str(tmp_path)), c, stream=i % 2 == 0) for i, c in enumerate(contents)]
+            got = [f.result(timeout=REQUEST_TIMEOUT) for f in futures]
+        assert healthy(url, process)
+    assert got == [words(c) for c in contents]
