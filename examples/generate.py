@@ -38,7 +38,7 @@ import time
 import torch
 import transformers
 
-import hf_flashinfer_mla  # noqa: F401  (registers attn_implementation="flashinfer_mla")
+import hf_flashinfer_mla  # registers attn_implementation="flashinfer_mla"
 
 PROG = "python examples/generate.py"
 DESCRIPTION = (
@@ -338,4 +338,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except hf_flashinfer_mla.FlashInferMLAError as error:  # (its message names the fix: one line is enough)
+        fail(str(error))

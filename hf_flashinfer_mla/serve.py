@@ -110,6 +110,27 @@ def _fail(message: str, status: int = 2) -> typing.NoReturn:
 _ATTN_IMPLEMENTATIONS = (ATTN_NAME, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
+def _check_model_type(model: str, attn: str) -> None:
+    """Exit 2 with one line where a local checkpoint is not a model ``flashinfer_mla`` runs (the model's process
+    would fail with two tracebacks). A Hub id is checked when it loads, where its config is."""
+    from transformers import AutoConfig
+
+    from .errors import UnsupportedModelError
+    from .models import check_model_supported
+
+    if attn != ATTN_NAME or not os.path.isfile(os.path.join(os.path.expanduser(model), "config.json")):
+        return
+    try:
+        config = AutoConfig.from_pretrained(os.path.expanduser(model))
+    except Exception:  # noqa: BLE001  (a config Transformers cannot read: its own loading reports it)
+        return
+    try:
+        check_model_supported(config)
+    except UnsupportedModelError:
+        _fail(f"FORCE_MODEL {model}: model_type \"{config.model_type}\" is not a Multi-head Latent Attention model, "
+              f"which --attn-implementation {ATTN_NAME} serves; serve it with --attn-implementation sdpa (or eager)")
+
+
 def _check_command_line(options: dict) -> None:
     """Exit 2 with one line for what would otherwise fail with a traceback once the server starts loading."""
     import torch
@@ -152,6 +173,29 @@ def _check_command_line(options: dict) -> None:
     count = options.get("api_server_count", 1)
     if count < 1 or (count > 1 and not model):
         _fail(f"--api-server-count {count}: give at least 1, and a model on the command line (FORCE_MODEL) for more")
+    if model:
+        _check_model_type(model, attn)
+
+
+HELP = f"""Serve MLA models (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM, ...) through an OpenAI-compatible API, with
+{ATTN_NAME} attention: Transformers' own server (transformers serve) with this package registered.
+
+\b
+Endpoints:
+    POST /v1/chat/completions   chat completions, streamed or not
+    POST /v1/completions        text completions from a prompt
+    POST /v1/responses          the Responses API
+    GET  /v1/models             the models it serves
+    GET  /health                health check
+
+\b
+FORCE_MODEL (a checkpoint directory or a Hub id) is loaded at start; without it each request's "model" is loaded
+at its first request. --continuous-batching serves concurrent requests from one paged latent cache. Requests are
+checked: a field the server cannot honour gets a 400 naming it.
+
+\b
+Install the server's packages with the package: pip install -e ".[serve]" (in this repository's checkout).
+"""
 
 
 def _option_help(annotation) -> str | None:
@@ -188,13 +232,16 @@ def _command():
 
     def serve(**options):
         _check_command_line(options)
+        if not options.get("force_model"):
+            print(f"{PROG}: no model given: each request names its model (a checkpoint directory or a Hub id), "
+                  "loaded at its first request", file=sys.stderr)
         if "max_model_len" not in names:  # (answers are capped by serve_guards, which reads it)
             serve_guards.MAX_MODEL_LEN = options.pop("max_model_len")
         Serve(**options)
 
     serve.__signature__ = inspect.Signature(changed)
     serve.__annotations__ = {p.name: p.annotation for p in changed}
-    serve.__doc__ = Serve.__doc__
+    serve.__doc__ = HELP
     app = typer.Typer(add_completion=False, rich_markup_mode=None)
     app.command(context_settings={"max_content_width": 120, "help_option_names": ["-h", "--help"]})(serve)
     return typer.main.get_command(app)

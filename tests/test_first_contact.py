@@ -164,6 +164,16 @@ def test_an_unknown_backend_in_the_environment_as_the_user_sees_it():
     assert proc.stdout == ""
 
 
+def test_an_unknown_backend_for_the_example_as_the_user_sees_it():
+    """About 30 lines of traceback ended in the clear message: now the message alone, exit status 2."""
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--device", "cpu"], cwd=REPO,
+                          env=_env(HF_FLASHINFER_MLA_BACKEND="fa4"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "'fa4'" in lines[0] and "$HF_FLASHINFER_MLA_BACKEND" in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
 def test_the_cli_and_the_errors_name_models_as_checkpoints_do(capsys):
     """One set of model-type names: those of a checkpoint's config.json ("glm5_next", not its text model's
     "glm5_next_text"), in `python -m hf_flashinfer_mla` and in the refusal of an unsupported model."""

@@ -485,6 +485,41 @@ def test_a_model_path_that_does_not_exist_as_the_user_sees_it():
     assert proc.stdout == ""
 
 
+def test_a_checkpoint_that_is_not_mla_as_the_user_sees_it(tmp_path):
+    """75 lines with two tracebacks, the message twice, naming a keyword argument where the command has a flag; now
+    one line naming the flag, exit status 2, before anything loads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    save_model(tmp_path, model=LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
+        vocab_size=VOCAB)))
+    proc = run_serve(str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "not a Multi-head Latent Attention model" in lines[0], lines
+    assert "--attn-implementation sdpa" in lines[0] and proc.stdout == ""
+
+
+def test_serve_without_a_model_says_what_it_will_do():
+    """It started a server that could serve nothing, saying nothing: now its first line says how it finds models."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-m", "hf_flashinfer_mla.serve", "--host", "127.0.0.1", "--port",
+                                str(free_port()), "--device", "cpu"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        first = process.stderr.readline()
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    assert first.startswith(f"{PROG}: no model given: each request names its model"), first
+
+
+def test_serve_help_says_what_it_serves_and_how_to_install_it():
+    proc = run_serve("--help")
+    flat = " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and "/v1/chat/completions" in flat and 'pip install -e ".[serve]"' in flat, flat
+    assert "systemone" not in flat and "transformers[serving]" not in flat, flat
+
+
 # --- what a request asks for: honoured, or refused naming the field ---------------------------------------------------
 
 def _cut_words(words: list[str], stop: str) -> list[str]:
