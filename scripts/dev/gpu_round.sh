@@ -27,7 +27,8 @@
 #   bash scripts/dev/gpu_round.sh serving-v3   # the same on the V3 attention shape, with the SDPA-prefill A/B
 #   bash scripts/dev/gpu_round.sh serving-sparse # DeepSeek-V3.2's attention with its indexer, 64 requests of 4k-32k
 #                                              # tokens: continuous batching against generate() on batches of 8
-#                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each bounded
+#                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each bounded;
+#                                              # SPARSE="REQUESTS MIN MAX NEW BOUND" sets the load and each bound
 #   bash scripts/dev/gpu_round.sh sparse       # DeepSeek-V3.2's attention with its indexer: the eager-mode grid,
 #                                              # batch 1/8/32 x 8k-128k, then 160k at batch 32
 #   bash scripts/dev/gpu_round.sh fp8          # the FP8 latent cache against bf16 (bench_fp8_cache.py); FP8 weights
@@ -220,12 +221,12 @@ mode_serving_v3() {
 
 # One process per mode (a mode that runs out of memory or past its bound leaves the others' figures).
 mode_serving_sparse() {
-  local m limits=(cb-flashinfer_mla 170 generate-flashinfer_mla 150 generate-sdpa 150) i
-  for i in 0 2 4; do
-    m=${limits[$i]}
-    run "${limits[$((i + 1))]}" python3 scripts/bench_serving.py --model deepseek-v32-attn --requests 64 \
-      --prompt-min 4096 --prompt-max 32768 --new 256 --static-batch 8 --prefill-chunk 256 --no-progress \
-      --out "$D" --modes "$m" --name "serving_v32_$m.json"
+  local m load
+  read -r -a load <<< "${SPARSE:-64 4096 32768 256 170}"  # requests, shortest and longest prompt, new tokens, bound
+  for m in cb-flashinfer_mla generate-flashinfer_mla generate-sdpa; do
+    run "${load[4]}" python3 scripts/bench_serving.py --model deepseek-v32-attn --requests "${load[0]}" \
+      --prompt-min "${load[1]}" --prompt-max "${load[2]}" --new "${load[3]}" --static-batch 8 --prefill-chunk 256 \
+      --cb-max-batch-tokens 4096 --no-progress --out "$D" --modes "$m" --name "serving_v32_$m.json"
   done
   show 40
 }
