@@ -20,7 +20,7 @@ from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from helpers import DSA_FAMILIES, VOCAB, make_model, set_attention
 from hf_flashinfer_mla import UnsupportedModelError, paged_indexer
 from hf_flashinfer_mla.kernels import fa
-from test_continuous_batching import greedy, small_cb
+from test_continuous_batching import greedy, small_cb, steps  # noqa: F401  (steps: a fixture)
 
 NEW_TOKENS = 4
 # Sparse families whose other layer types have no paged latent cache: refused, naming those layers.
@@ -115,23 +115,11 @@ def _assert_real_selection(observed, topk):
 
 
 @pytest.mark.parametrize("model_type", SERVED)
-def test_every_sparse_family_under_continuous_batching_matches_eager(model_type, observed):
+def test_every_sparse_family_under_continuous_batching_matches_eager(model_type, observed, steps):
     model = sparse_model(model_type, dtype=torch.float32)
     batch = requests()
     expected = [(None, tokens) for tokens in eager_tokens(model, batch, NEW_TOKENS)]
-    steps = []
-    from hf_flashinfer_mla import paged_attention
-
-    original = paged_attention.PagedStep.of_batch
-
-    def of_batch(reqs, tokens, *args):
-        step = original(reqs, tokens, *args)
-        steps.append((step.q_lens.tolist(), step.k_lens.tolist()))
-        return step
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(paged_attention.PagedStep, "of_batch", staticmethod(of_batch))
-        first, second = _served_twice(model, batch)
+    first, second = _served_twice(model, batch)
     assert first == expected
     assert second == expected  # the kept manager, again
     # The schedule did what the test is for: queueing, a chunk reading its cached past, decodes beside prefills,
