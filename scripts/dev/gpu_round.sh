@@ -110,7 +110,7 @@ show() { echo "== $MODE"; grep -v "^  \|Loading\|[Ww]arn" "$D/$MODE.log" | tail 
 mode_suite() {
   local durations
   durations=$(ls "$ROOT"/benchmarks/gpu_suite_durations.json 2>/dev/null)
-  run 340 python3 scripts/dev/gpu_suite_parallel.py --workers 5 --timeout 320 \
+  run 500 python3 scripts/dev/gpu_suite_parallel.py --workers 6 --timeout 480 \
     ${durations:+--durations "$durations"} --out "$D"
   show 12
 }

@@ -11,9 +11,9 @@ of thumb: the compiling tests are the heavy ones. Each worker keeps its tests in
 ``-s``: the tests' measured errors) is merged into ``gpu_suite_workers.txt`` at the end, and its JUnit file is read
 for the report. The report checks that every collected test was reported, so a worker that died or was cut by
 ``--timeout`` shows as missing tests, never as a shorter green run. It exits 0 only when nothing failed and nothing
-is missing. ``scripts/dev/gpu_round.sh suite`` runs it with five workers.
+is missing. ``scripts/dev/gpu_round.sh suite`` runs it with six workers.
 
-    python3 scripts/dev/gpu_suite_parallel.py --workers 5 --timeout 320 --out "$OUT"
+    python3 scripts/dev/gpu_suite_parallel.py --workers 6 --timeout 480 --out "$OUT"
     python3 scripts/dev/gpu_suite_parallel.py --durations benchmarks/.../gpu_suite_durations.json --out "$OUT"
 
 Tests are written to be order-independent (each resets the package's process caches), so a different grouping is
