@@ -47,54 +47,68 @@ GRAPHED_BACKENDS = ("fa3", "fa2", "trtllm-gen", "cute-dsl")
 class PagedStep(Routing):
     """One continuous-batching forward, on the host: request ``r`` has ``q_lens[r]`` query tokens (packed in order)
     and sees ``k_lens[r]`` cached rows (its past and its new tokens), listed in order in the step's read indices.
-    Its decode requests' routes are shared by its layers (`plan.Routing`).
+    Its decode rows' routes are shared by its layers (`plan.Routing`).
 
-    A `graphed` step runs in a CUDA graph (every request decodes; see `graph_refusal`): its decode batch is every
-    query token of the padded forward, each padding row reading one entry of the read indices' padded tail, which
-    Transformers fills with its read-trash row (its outputs are never read); its routes run the CUDA-graph slots of
-    that batch (``kernels/graphs.py``), which `prepare_step` reloads before each replay."""
+    An uncompiled step's decode rows are its requests of one query token; its other requests with query tokens are
+    prefill chunks (`_prefill`). A `graphed` step runs in a CUDA graph (`graph_pays`): every query token of the
+    padded forward is a decode row, absorbed, so that one capture serves every mix of decodes and chunks of its
+    token count. Token ``i`` of a request with ``q`` query tokens and ``k`` rows reads its first ``k - q + i + 1``
+    rows (causal: a decode reads all ``k``); a padding token reads one entry of the read indices' padded tail, which
+    Transformers fills with its read-trash row (its outputs are never read). Its routes run the CUDA-graph slots of
+    that many rows (``kernels/graphs.py``), which `prepare_step` reloads before each replay."""
 
     paged = True
-    q_len = 1  # the routes serve the decode requests: one query token each
+    q_len = 1  # the routes serve the decode rows: one query token each
 
     def __init__(self, q_lens: torch.Tensor, k_lens: torch.Tensor, tokens: int, page_rows: int = 0,
                  graphed: bool = False):
         super().__init__()
-        self.requests = q_lens.numel()  # real requests (a graphed step appends padding rows)
+        self.requests = q_lens.numel()
         self.graphed = graphed
-        if graphed:  # padding rows: one row each, read at the padded tail of the read indices (Transformers' trash)
-            pad = tokens - self.requests
-            q_lens, k_lens = torch.cat([q_lens, q_lens.new_ones(pad)]), torch.cat([k_lens, k_lens.new_ones(pad)])
-        self.q_lens, self.k_lens = q_lens, k_lens  # [B] int64, host
-        self.kv_offsets = torch.zeros(self.batch + 1, dtype=torch.long)
+        self.q_lens, self.k_lens = q_lens, k_lens  # [R] int64, host
+        self.kv_offsets = torch.zeros(self.requests + 1, dtype=torch.long)
         self.kv_offsets[1:] = k_lens.cumsum(0)
+        self.cu_q = torch.zeros(self.requests + 1, dtype=torch.long)
+        self.cu_q[1:] = q_lens.cumsum(0)
         self.tokens = tokens  # query tokens of the forward, padding included
         self.started = False  # a forward has run on it
         self.index_calls = None  # a sparse model's indexer calls, planned by its first layer (``paged_indexer``)
         self.prefill_groups: dict[tuple, list] = {}  # the prefill chunks' ragged-prefill groups, planned per shape
         self.page_rows = page_rows  # rows per page of a cache storing the latent packed (trtllm-gen reads those)
-        self.cu_q = torch.zeros(self.batch + 1, dtype=torch.long)
-        self.cu_q[1:] = q_lens.cumsum(0)
-        self.decode = (q_lens == 1).nonzero().flatten()  # requests that run absorbed
-        # the others with query tokens: prefill chunks (a request may have none: Transformers prefills a prompt to be
-        # forked, sampled several times, without its last token, which for a 1-token prompt leaves nothing)
-        self.chunks = (q_lens > 1).nonzero().flatten().tolist()
-        self._rows = Rows(k_lens[self.decode].to(torch.int32), 1, None)
+        end = int(self.kv_offsets[-1])
+        if graphed:
+            owner = torch.repeat_interleave(torch.arange(self.requests), q_lens)  # each real token's request
+            seen = k_lens[owner] - q_lens[owner] + torch.arange(owner.numel()) - self.cu_q[owner] + 1
+            pad = tokens - owner.numel()
+            lens = torch.cat([seen, seen.new_ones(pad)])
+            offsets = torch.cat([self.kv_offsets[owner], end + torch.arange(pad)])
+            end += pad
+            self.decode = torch.arange(tokens)  # query tokens, every one absorbed
+            self.chunks = []
+        else:
+            self.decode = (q_lens == 1).nonzero().flatten()  # requests that run absorbed
+            # the others with query tokens: prefill chunks (a request may have none: Transformers prefills a prompt
+            # to be forked, sampled several times, without its last token, which for a 1-token prompt leaves nothing)
+            self.chunks = (q_lens > 1).nonzero().flatten().tolist()
+            lens, offsets = k_lens[self.decode], self.kv_offsets[self.decode]
+        self._rows = Rows(lens.to(torch.int32), 1, None)
         # (the read indices, on the device, are the forward's: `start`)
-        self.pages = PageTable(self.kv_offsets[self.decode], None, int(self.kv_offsets[-1]), page_rows)
+        self.pages = PageTable(offsets, None, end, page_rows)
 
     @property
     def batch(self) -> int:
-        return self.q_lens.numel()
+        """Decode rows (a graphed step's: its padded query tokens)."""
+        return self._rows.batch
 
     batch_size = batch  # (as `kernels/graphs.py` reads a step)
 
     @classmethod
-    def of_batch(cls, requests, tokens: int, page_rows: int = 0, graphed: bool = False) -> PagedStep:
-        """From Transformers' scheduled requests, once `prepare_batch_tensors` has advanced their offsets."""
+    def of_batch(cls, requests, tokens: int, page_rows: int = 0, capture: bool = False) -> PagedStep:
+        """From Transformers' scheduled requests, once `prepare_batch_tensors` has advanced their offsets; graphed
+        where it may be (`capture`) and a graph pays for it (`graph_pays`)."""
         q = torch.tensor([fs.query_length for fs in requests], dtype=torch.long)
         end = torch.tensor([fs.state.position_offset for fs in requests], dtype=torch.long)
-        return cls(q, end, tokens, page_rows, graphed)
+        return cls(q, end, tokens, page_rows, capture and graph_pays(q, end))
 
     @classmethod
     def from_kwargs(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int, page_rows: int) -> PagedStep:
@@ -146,20 +160,33 @@ class PagedStep(Routing):
 
 def prepare_step(io) -> None:
     """Hand the batch Transformers just prepared (``ContinuousBatchingIOs`` `io`) to the cache's latent allocator:
-    its seam, `paged_steps`, calls this after ``prepare_batch_tensors``. A step every request of which decodes runs
-    in a CUDA graph where Transformers captures them (`graphed`): the graph slots of its batch are reloaded here
+    its seam, `paged_steps`, calls this after ``prepare_batch_tensors``. A step that runs in a CUDA graph where
+    Transformers captures them (`graph_pays`, `PagedStep.graphed`) has the graph slots of its rows reloaded here
     with its schedule, on the stream the graph replays on, since a replay runs no Python."""
     requests, tokens = io.requests_in_batch, io.num_q_tokens
-    decodes = (getattr(io, "use_cuda_graph_varlen", False) and not io.use_block_table
-               and all(fs.query_length == 1 for fs in requests) and _fits_one_graph(io, tokens))
+    capturable = (getattr(io, "use_cuda_graph_varlen", False) and not io.use_block_table
+                  and _fits_one_graph(io, tokens))
     for allocator in io.cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
-            graphed = decodes and _graphs_still_hold(allocator)
-            allocator.step = step = PagedStep.of_batch(requests, tokens, page_rows(allocator), graphed)
-            if graphed:
+            capture = capturable and _graphs_still_hold(allocator)
+            allocator.step = step = PagedStep.of_batch(requests, tokens, page_rows(allocator), capture)
+            if step.graphed:
                 with stream_context(io.compute_stream):
                     for _, slot in graphs.slots_for(step.batch, 1, None):
                         slot.load(step)
+
+
+def graph_pays(q_lens: torch.Tensor, k_lens: torch.Tensor) -> bool:
+    """Whether a step of requests with `q_lens` query tokens over `k_lens` rows runs in a CUDA graph, where every
+    query token attends absorbed (`PagedStep`): when its prefill chunks' tokens read no more rows that way than its
+    decodes read. A graph saves a step's host time (Python and launches, per layer), which bounds a step of decodes
+    with a few prefill tokens beside them; a step whose prefill dominates is bound by the GPU instead, and there
+    the ragged prefill over expanded rows (`_prefill`), which reads each row once per request, costs less than the
+    absorbed kernel reading the latent once per query token."""
+    decode, chunk = q_lens == 1, q_lens > 1
+    q, k = q_lens[chunk], k_lens[chunk]
+    chunk_rows = int((q * (k - q) + q * (q + 1) // 2).sum())  # token i of a chunk reads k - q + i + 1 rows
+    return chunk_rows <= int(k_lens[decode].sum())
 
 
 def _graphs_still_hold(allocator: LatentAllocator) -> bool:
@@ -217,8 +244,8 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
     out = query.new_zeros(1, t, h, module.v_head_dim)
     decode = step.decode if weights is not None else step.decode[:0]
     if len(decode):
-        tokens = step.cu_q[decode]
-        all_decode = len(decode) == step.batch == t
+        all_decode = len(decode) == t  # every query token decodes (a graphed step's always do)
+        tokens = None if all_decode else step.cu_q[decode]
         q = query if all_decode else query[:, :, to_device(tokens, query.device)]
         rows = None
         if indices is not None:  # the selected rows of each decode request, in the layer's view: [N, 1, topk]

@@ -6,6 +6,10 @@ Random weights (nothing is downloaded). `--requests` prompts of random lengths i
   cb-flashinfer_mla        model.init_continuous_batching() with attn_implementation="flashinfer_mla" (the paged
                            latent cache of hf_flashinfer_mla.paged_cache), every request added at t0; its decode
                            steps in CUDA graphs where Transformers turns them on (a CUDA GPU, fa3/fa2 decode)
+  cb-flashinfer_mla-decode-graphs
+                           the same with only the steps in which every request decodes in CUDA graphs (steps that
+                           mix prefill chunks with decodes run uncompiled): the A/B of mixed-step graphs
+                           (``paged_attention.graph_pays``)
   cb-flashinfer_mla-no-graphs
                            the same with use_cuda_graph=False: every step runs the package's Python per layer
   cb-sdpa                  the same with attn_implementation="sdpa": Transformers' own paging of the MLA latent
@@ -22,7 +26,8 @@ Random weights (nothing is downloaded). `--requests` prompts of random lengths i
 
 Reported per mode: total output tokens/s (all new tokens / wall time from t0), time to first token and inter-token
 latency (p50, p99; a static batch's requests wait for the batches before them), peak GPU memory; for the cb modes
-also the attention, CUDA graphs (varlen, decode) and asynchronous batching the manager resolved.
+also the attention, CUDA graphs (varlen, decode) and asynchronous batching the manager resolved, and for
+flashinfer_mla its steps: all, in graphs, and in graphs with prefill chunks.
 
     python scripts/bench_serving.py --model deepseek-v2-lite --out bench_out
     python scripts/bench_serving.py --model deepseek-v3-attn --out bench_out
@@ -43,7 +48,8 @@ import torch
 
 import bench_common as bc
 
-MODES = ("cb-flashinfer_mla", "cb-flashinfer_mla-no-graphs", "cb-sdpa", "generate-flashinfer_mla", "generate-sdpa")
+MODES = ("cb-flashinfer_mla", "cb-flashinfer_mla-decode-graphs", "cb-flashinfer_mla-no-graphs", "cb-sdpa",
+         "generate-flashinfer_mla", "generate-sdpa")
 AB_MODES = ("cb-flashinfer_mla-sdpa-prefill",)
 
 
@@ -66,17 +72,35 @@ def progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr)
 
 
-def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True) -> dict:
+def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, mixed_graphs=True) -> dict:
+    from hf_flashinfer_mla import paged_attention
     from hf_flashinfer_mla.kernels import ragged
 
-    # The A/B switch: with no head dims "supported", paged_attention.py prefills every chunk on SDPA (its fallback).
-    supported = ragged.supported_dims
+    # The A/B switches: with no head dims "supported", paged_attention.py prefills every chunk on SDPA (its
+    # fallback); with graph_pays admitting only steps in which every request decodes, mixed steps run uncompiled.
+    supported, pays, prepare = ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step
     if sdpa_prefill:
         ragged.supported_dims = lambda qk, vo: False
+    if not mixed_graphs:
+        paged_attention.graph_pays = lambda q_lens, k_lens: bool((q_lens == 1).all())
+    steps = {"steps": 0, "graphed_steps": 0, "graphed_mixed_steps": 0}
+
+    def counted(io):  # (every step of the package's, as its seam on prepare_batch_tensors hands it over)
+        prepare(io)
+        step = next((a.step for a in io.cache.cache_allocators.values() if hasattr(a, "step")), None)
+        if step is not None:
+            steps["steps"] += 1
+            steps["graphed_steps"] += step.graphed
+            steps["graphed_mixed_steps"] += step.graphed and bool((step.q_lens > 1).any())
+
+    paged_attention.prepare_step = counted
     try:
-        return _run_cb(model, attn, prompts, args, device, graphs)
+        got = _run_cb(model, attn, prompts, args, device, graphs)
+        if steps["steps"]:
+            got["setup"].update(steps)
+        return got
     finally:
-        ragged.supported_dims = supported
+        ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step = supported, pays, prepare
 
 
 def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
@@ -188,7 +212,8 @@ def run(mode, model, prompts, args, device) -> dict:
     rec = {"mode": mode, "status": "ok"}
     kind, attn = mode.split("-", 1)
     prefill_ab, graphs = attn.endswith("-sdpa-prefill"), not attn.endswith("-no-graphs")
-    attn = attn.removesuffix("-sdpa-prefill").removesuffix("-no-graphs")
+    mixed_graphs = not attn.endswith("-decode-graphs")
+    attn = attn.removesuffix("-sdpa-prefill").removesuffix("-no-graphs").removesuffix("-decode-graphs")
     why = unpageable(attn) if kind == "cb" else None
     if why:
         return {**rec, "status": "skipped", "message": why}
@@ -197,7 +222,8 @@ def run(mode, model, prompts, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         if kind == "cb":
-            got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab, graphs=graphs)
+            got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab, graphs=graphs,
+                         mixed_graphs=mixed_graphs)
             rec.update(got["setup"])
             if got["cut"]:  # not every request finished: no throughput, only what finished within the limit
                 return {**rec, "status": "time-limit", "wall_s": got["wall_s"], "output_tokens": got["tokens"],
@@ -276,9 +302,12 @@ def main(argv=None) -> int:
                      bc.fmt(r.get("ttft_p50_s") if ok else None), bc.fmt(r.get("ttft_p99_s") if ok else None),
                      bc.fmt(r.get("itl_p50_ms") if ok else None, ".1f"),
                      bc.fmt(r.get("itl_p99_ms") if ok else None, ".1f"),
-                     bc.fmt(r.get("peak_memory_mib"), ".0f"), "" if ok else r["status"].upper()])
+                     bc.fmt(r.get("peak_memory_mib"), ".0f"),
+                     f"{r['graphed_steps']}/{r['steps']} ({r['graphed_mixed_steps']} mixed)" if "steps" in r else "",
+                     "" if ok else r["status"].upper()])
     print()
-    bc.print_table(["mode", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "peak MiB", ""],
+    bc.print_table(["mode", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "peak MiB",
+                    "steps in graphs", ""],
                    rows, [f"{args.model}: {args.requests} requests at once, prompts {args.prompt_min}-"
                           f"{args.prompt_max} tokens, {args.new} new tokens each, greedy; static batches of "
                           f"{args.static_batch}"])

@@ -50,7 +50,8 @@ class FakeGraph:
 def emulated_graphs(fake_hopper, monkeypatch):
     """Transformers' continuous batching with CUDA graphs on this host (which has no graph backend): its own padding,
     graph keys and replays; its capture (a warm-up forward, then the captured one) keeps the forward as a `FakeGraph`.
-    Returns the graphs made, and the steps the package prepared (graphed, real requests, query tokens)."""
+    Returns the graphs made, and the steps the package prepared (graphed, real requests, query tokens, each
+    request's query tokens)."""
     from transformers.generation.continuous_batching import initialization, model_runner
 
     monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
@@ -100,7 +101,7 @@ def emulated_graphs(fake_hopper, monkeypatch):
     def prepare_step(io):
         original(io)
         step = next(a.step for a in io.cache.cache_allocators.values() if hasattr(a, "step"))
-        prepared.append((step.graphed, step.requests, step.tokens))
+        prepared.append((step.graphed, step.requests, step.tokens, tuple(step.q_lens.tolist())))
 
     monkeypatch.setattr(FakeMLAModule, "run", launch)
     monkeypatch.setattr(FakeTrtllm, "__call__", trtllm_launch)
@@ -137,17 +138,80 @@ def test_decode_steps_replay_cuda_graphs_with_the_tokens_of_eager(emulated_graph
         kernel, cb, batch = _blackwell(monkeypatch, backend)
     out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=cb)
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
-    graphed = [(n, t) for g, n, t in prepared if g]
+    graphed = [(n, t) for g, n, t, _ in prepared if g]
     assert made and sum(g.replays for g in made) > 0  # captured, then replayed
     assert len({t for _, t in graphed}) >= 2  # several graph shapes
     assert any(n < t for n, t in graphed)  # padding rows
     assert len({n for n, _ in graphed}) >= 2  # requests joined or finished between graphed steps
-    assert any(not g for g, _, _ in prepared)  # prefill steps ran uncompiled
+    assert any(not g for g, *_ in prepared)  # prefill steps ran uncompiled
     assert {key[0] for key in graphs._slots if key[4] is None} == {backend}
     if backend in ("trtllm-gen", "cute-dsl"):
         calls = [c for c in kernel.calls if c["batch"] == 6]  # the graph of 6 rows (4 requests and padding)
         assert calls and any(int(c["seq_lens"].max()) > 32 for c in calls)  # tables of several pages, replayed
         assert all(c["counter"] is calls[0]["counter"] for c in calls)  # one counter buffer, allocated before
+
+
+# Long prompts that decode while short ones join: the short ones' prefill chunks share steps with the long ones'
+# decodes, and read fewer rows than those (`paged_attention.graph_pays`), so those steps are graphed.
+MIXED = (30, 2, 28, 3, 26, 2, 3, 4, 2, 3)
+
+
+def _mixed(monkeypatch, backend, pay=None):
+    """The model, its batch and the padded config for mixed steps; `pay` replaces the policy of which steps a graph
+    serves (True: every step the graphs can take)."""
+    monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", backend)
+    if pay is not None:
+        monkeypatch.setattr(paged_attention, "graph_pays", lambda q, k: pay)
+    cb, batch = _padded_cb(num_blocks=80), prompts(MIXED, seed=7)
+    if backend in ("trtllm-gen", "cute-dsl"):  # (pages of 32 rows; requests over several of them)
+        blackwell(monkeypatch)
+        cb, batch = _padded_cb(page_size=32, num_blocks=24), prompts((70, *MIXED[1:]), seed=6)
+    return make_model("deepseek_v3"), batch, cb
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2", "trtllm-gen", "cute-dsl"])
+@pytest.mark.parametrize("pay", [None, True], ids=["policy", "every-step"])
+def test_mixed_steps_replay_cuda_graphs_with_the_tokens_of_eager(emulated_graphs, fake_hopper, monkeypatch, backend,
+                                                                 pay):
+    """Steps that mix prefill chunks with decodes run in the same CUDA graphs as decode steps of their padded token
+    count, every query token absorbed over its causal prefix of its request's rows: replayed at several mixes of
+    chunks and decodes, every request's tokens equal eager generate()'s. Under the package's policy a step's chunks
+    must read no more rows than its decodes; with every step admitted, prefill-only steps replay too."""
+    made, prepared = emulated_graphs
+    model, batch, cb = _mixed(monkeypatch, backend, pay)
+    out = model.generate_batch(batch, generation_config=greedy(8), continuous_batching_config=cb)
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch, 8)
+    mixed = [(t, q) for g, _, t, q in prepared if g and any(n > 1 for n in q)]
+    by_shape = {}
+    for t, q in mixed:
+        by_shape.setdefault(t, set()).add(q)
+    assert max(len(mixes) for mixes in by_shape.values()) >= 2  # one graph shape, replayed at several mixes
+    assert made and sum(g.replays for g in made) > 0
+    assert any(1 in q for _, q in mixed)  # chunks beside decodes
+    if pay is None:
+        assert any(not g and any(n > 1 for n in q) for g, _, _, q in prepared)  # prefill-heavy steps uncompiled
+    else:
+        assert all(g for g, *_ in prepared)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "trtllm-gen"])
+def test_mixed_graph_control_skipped_reload_changes_tokens(emulated_graphs, fake_hopper, monkeypatch, backend):
+    """Control: with the slots' reload skipped for mixed steps only (every step admitted, as above), their replays
+    read the schedule or lengths of the step before, and the tokens change; the skipped reloads were mixed steps'."""
+    skipped, load = [], graphs.GraphSlot.load
+
+    def load_unless_mixed(self, step, staged=None):
+        if bool((step.q_lens > 1).any()):
+            skipped.append(step)
+        else:
+            load(self, step, staged)
+
+    monkeypatch.setattr(graphs.GraphSlot, "load", load_unless_mixed)
+    model, batch, cb = _mixed(monkeypatch, backend, pay=True)
+    out = model.generate_batch(batch, generation_config=greedy(8), continuous_batching_config=cb)
+    assert skipped and all(step.graphed for step in skipped)
+    assert emulated_graphs[0]
+    assert [o.generated_tokens for o in out.values()] != eager_tokens(model, batch, 8)
 
 
 @pytest.mark.parametrize("backend", ["fa3", "trtllm-gen"])
@@ -178,7 +242,7 @@ def test_a_model_on_the_reference_runs_without_graphs_saying_why(emulated_graphs
     batch = prompts(LENGTHS[:3])
     out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=_padded_cb())
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
-    assert prepared and not made and not any(g for g, _, _ in prepared)
+    assert prepared and not made and not any(g for g, *_ in prepared)
     assert [m for m in package_warnings(caplog) if "without CUDA graphs" in m and "runs on reference" in m]
 
 
@@ -207,7 +271,7 @@ def test_an_adapter_put_on_after_capture_turns_the_graphs_off(emulated_graphs, m
     kept = dict(generation_config=greedy(), continuous_batching_config=_padded_cb(), persistent_manager=True)
     try:
         model.generate_batch(prompts(LENGTHS[:4]), **kept)
-        assert made and any(g for g, _, _ in prepared)
+        assert made and any(g for g, *_ in prepared)
         peft.inject_adapter_in_model(peft.LoraConfig(target_modules=["kv_b_proj"], r=4, lora_alpha=8,
                                                      init_lora_weights=False), model)
         prepared.clear()
@@ -215,5 +279,5 @@ def test_an_adapter_put_on_after_capture_turns_the_graphs_off(emulated_graphs, m
     finally:
         model.destroy_cached_continuous_batching_manager()
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
-    assert prepared and not any(g for g, _, _ in prepared)
+    assert prepared and not any(g for g, *_ in prepared)
     assert [m for m in package_warnings(caplog) if "without CUDA graphs from now on" in m]

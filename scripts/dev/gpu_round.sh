@@ -3,7 +3,7 @@
 # device call of at most 10 minutes (each command is bounded by `timeout`; a mode's bound is the sum of its
 # commands'). Name several modes to run them one after the other in one call. Run it from the repository root.
 #
-#   bash scripts/dev/gpu_round.sh suite host   # the whole tests/gpu in five processes (gpu_suite_parallel.py), then
+#   bash scripts/dev/gpu_round.sh suite host   # the whole tests/gpu in six processes (gpu_suite_parallel.py), then
 #                                              # host time per step, layer and attention call (bench_host.py, V3
 #                                              # shape, batch 32, 4k), twice; AB=DIR alternates it with the package
 #                                              # in DIR/hf_flashinfer_mla (another revision: git archive REV
@@ -21,9 +21,13 @@
 #   bash scripts/dev/gpu_round.sh depth        # the same 32 x 4k generate() cell at DeepSeek-V3's 61 layers
 #   bash scripts/dev/gpu_round.sh serving      # 256 requests at once, DeepSeek-V2-Lite: continuous batching against
 #                                              # static generate() batches (bench_serving.py)
-#   bash scripts/dev/gpu_round.sh serving-cb   # continuous batching with and without CUDA graphs against
-#                                              # Transformers' own (sdpa over its paged MLA cache), DeepSeek-V2-Lite
-#                                              # and the V3 shape: serving-cb16 (16 requests), serving-cb256 (256)
+#   bash scripts/dev/gpu_round.sh serving-cb   # continuous batching with every step its CUDA graphs take (steps
+#                                              # mixing prefill chunks with decodes included), with graphs for
+#                                              # all-decode steps only, and Transformers' own (sdpa over its paged
+#                                              # MLA cache): serving-cb16 (16 requests, DeepSeek-V2-Lite and the V3
+#                                              # shape), serving-cb256 (256 requests, V2-Lite, each mode within
+#                                              # CB_LIMIT s; then the decode-only step at 64 x 4k against its
+#                                              # bandwidth floor), serving-cb256-v3 (the same on the V3 shape)
 #   bash scripts/dev/gpu_round.sh serving-v3   # the same on the V3 attention shape, with the SDPA-prefill A/B
 #   bash scripts/dev/gpu_round.sh serving-sparse # DeepSeek-V3.2's attention with its indexer, 64 requests of 4k-32k
 #                                              # tokens: continuous batching against generate() on batches of 8
@@ -75,7 +79,7 @@ devkit() {
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
-MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb-sdpa256"
+MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb256-v3"
 MODES="$MODES serving-v3 serving-sparse sparse fp8 tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
@@ -180,36 +184,38 @@ mode_serving() {
 mode_serving_cb() {
   mode_serving_cb16
   mode_serving_cb256
+  mode_serving_cb256_v3
 }
 
 # Continuous batching with and without CUDA graphs against Transformers' own on sdpa, one process per model and load.
 mode_serving_cb16() {
   local m
   for m in deepseek-v2-lite deepseek-v3-attn; do
-    run 150 python3 scripts/bench_serving.py --model $m --requests 16 --no-progress --out "$D" \
-      --modes cb-flashinfer_mla cb-flashinfer_mla-no-graphs cb-sdpa --name "serving_cb_${m}_16.json"
+    run 120 python3 scripts/bench_serving.py --model $m --requests 16 --no-progress --out "$D" \
+      --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs cb-sdpa --name "serving_cb_${m}_16.json"
   done
   show 40
 }
 
+# 256 requests: flashinfer_mla with every step its graphs take (mixed steps included), with graphs for all-decode
+# steps only, and Transformers' own on sdpa, each within one time limit (CB_LIMIT seconds; the requests finished and
+# the tokens produced by then); then the decode-only step at 64 requests x 4k in CUDA graphs against its bandwidth
+# floor. serving-cb256-v3: the same requests on the V3 attention shape.
 mode_serving_cb256() {
-  local m limits=(deepseek-v2-lite 250 deepseek-v3-attn 200) i
-  for i in 0 2; do
-    m=${limits[$i]}
-    run "${limits[$((i + 1))]}" python3 scripts/bench_serving.py --model $m --no-progress --out "$D" \
-      --modes cb-flashinfer_mla cb-flashinfer_mla-no-graphs cb-sdpa --name "serving_cb_${m}_256.json"
-  done
-  show 40
-}
-
-# Transformers' own continuous batching on sdpa alone at 256 requests (its longest run), and the decode-only step
-# at 64 requests x 4k in CUDA graphs against its bandwidth floor.
-mode_serving_cb_sdpa256() {
-  local limit=${CB_SDPA_LIMIT:-170}  # seconds sdpa may serve before the requests finished so far are reported
-  run $((limit + 55)) python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D" \
-    --modes cb-sdpa --cb-time-limit "$limit" --name serving_cb_deepseek-v2-lite_256_sdpa.json
+  local limit=${CB_LIMIT:-170}
+  run $((limit + 160)) python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D" \
+    --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs cb-sdpa --cb-time-limit "$limit" \
+    --name serving_cb_deepseek-v2-lite_256.json
   run 55 python3 scripts/bench_decode.py --graphs --batch 64 --context 4096 --attn flashinfer_mla --steps 10 \
     --time-limit 40 --out "$D" --name decode_graphs_b64_4k.json
+  show 40
+}
+
+mode_serving_cb256_v3() {
+  local limit=${CB_LIMIT:-100}
+  run $((limit + 150)) python3 scripts/bench_serving.py --model deepseek-v3-attn --no-progress --out "$D" \
+    --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs cb-sdpa --cb-time-limit "$limit" \
+    --name serving_cb_deepseek-v3-attn_256.json
   show 40
 }
 

@@ -164,10 +164,11 @@ def test_generate_batch_on_kernel_against_reference(monkeypatch):
 
 
 def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
-    """Continuous batching with Transformers' CUDA graphs on the kernel: each padded decode shape is captured once
-    and replayed, its schedule reloaded before every replay, and the tokens agree with the reference backend (which
-    runs without graphs) as the uncompiled kernel's do. Control: with the reload skipped, replays run a stale
-    schedule and the tokens change."""
+    """Continuous batching with Transformers' CUDA graphs on the kernel: each padded shape is captured once and
+    replayed, its schedule reloaded before every replay, and the tokens agree with the reference backend (which
+    runs without graphs) as the uncompiled kernel's do; again with every step admitted to the graphs
+    (``paged_attention.graph_pays``), so that steps mixing prefill chunks with decodes replay, absorbed token by
+    token. Control: with the reload skipped, replays run a stale schedule and the tokens change."""
     from transformers.generation.continuous_batching import input_outputs
 
     backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
@@ -176,7 +177,7 @@ def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (5, 300, 17, 1200, 64, 9, 700, 33)]
     new = [24, 9, 30, 16, 5, 27, 12, 20]  # requests finish at different steps: graphs replay other compositions
-    graphed, keys, replays = [], [], []  # (requests, padded rows) of each graphed step; captured keys; replays
+    graphed, keys, replays = [], [], []  # (requests, padded rows, mixed) per graphed step; captured keys; replays
     prepare, set_graph = paged_attention.prepare_step, input_outputs.ContinuousBatchingIOs.set_graph
     replay = torch.cuda.CUDAGraph.replay
 
@@ -184,7 +185,7 @@ def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
         prepare(io)
         step = next(iter(io.cache.cache_allocators.values())).step
         if step.graphed:
-            graphed.append((step.requests, step.batch))
+            graphed.append((step.requests, step.batch, bool((step.q_lens > 1).any())))
 
     monkeypatch.setattr(paged_attention, "prepare_step", prepare_step)
     monkeypatch.setattr(input_outputs.ContinuousBatchingIOs, "set_graph",
@@ -209,12 +210,17 @@ def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
 
     in_graphs = run(backend)
     assert keys and replays and len(set(keys)) == len(keys), "each shape is captured once"
-    assert len(replays) > len(keys) and any(n < t for n, t in graphed) and len({n for n, _ in graphed}) >= 2
+    assert len(replays) > len(keys) and any(n < t for n, t, _ in graphed) and len({n for n, *_ in graphed}) >= 2
     uncompiled, reference = run(backend, graphs=False), run("reference")
-    agree = [sum(a[:4] == b[:4] for a, b in zip(x, reference)) for x in (in_graphs, uncompiled)]
-    print(f"{backend}: first 4 tokens as the reference's: in graphs {agree[0]}/8, without {agree[1]}/8; "
-          f"{len(keys)} graphs, {len(replays)} replays")
-    assert agree[0] >= len(prompts) - 1
+    graphed.clear()
+    with monkeypatch.context() as every_step:
+        every_step.setattr(paged_attention, "graph_pays", lambda q_lens, k_lens: True)
+        all_graphed = run(backend)
+    assert any(mixed for *_, mixed in graphed)
+    agree = [sum(a[:4] == b[:4] for a, b in zip(x, reference)) for x in (in_graphs, all_graphed, uncompiled)]
+    print(f"{backend}: first 4 tokens as the reference's: in graphs {agree[0]}/8, every step in graphs {agree[1]}/8, "
+          f"without {agree[2]}/8; {len(keys)} graphs, {len(replays)} replays")
+    assert agree[0] >= len(prompts) - 1 and agree[1] >= len(prompts) - 1
 
     skipped = []
     from hf_flashinfer_mla.kernels import graphs as slots
