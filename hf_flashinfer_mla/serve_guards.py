@@ -14,8 +14,12 @@ takes the server down.
   answer stopped there has ``finish_reason`` ``"length"`` (Transformers' default is 1,024 new tokens whatever the
   context);
 * continuous batching survives an error: when its worker dies (an error in a step, or a request that outgrows the
-  whole cache), the requests it was running fail with that error, and the runner starts a new worker on the same
-  model and cache settings. Transformers marks the engine dead instead, and from 5.25 stops the server.
+  whole cache), the runner starts a new worker on the same model and cache settings; Transformers marks the engine
+  dead instead, and from 5.25 stops the server. From 5.25 a failing request also fails alone: one forward runs
+  every request of a step, so they all fail with it, and each runs again alone, through ``generate()`` one request
+  at a time (the runner's own queue, as without continuous batching), from where its stream stopped: the one at
+  fault fails there with its own error, the others get their answers (`_install_worker_restart_525`). On 5.24 the
+  requests of the step fail with it.
 
 `install` puts them in place, idempotently (`_INSTALLED` marks what it installed).
 """
@@ -461,11 +465,18 @@ def _install_worker_restart_525(runner_class) -> None:
     """Transformers 5.25+: `CBGenerateRunner` runs in the model's process. When its batching worker dies, the thread
     that sends its outputs fails its requests with an `EngineDeadError`, which marks the engine dead in the API
     server and stops the server. Here the requests fail with a `RuntimeError` instead (the error of their own
-    request), and that thread starts a new worker before it exits. A request arriving meanwhile waits for it."""
-    from transformers.cli.serving.utils import EngineDeadError
+    request), and that thread starts a new worker before it exits. A request arriving meanwhile waits for it.
+
+    A request that fails under continuous batching is not answered with that error: it runs again, once, through
+    the runner's base class (`GenerateRunner.generate`: ``generate()`` on its own thread, one request at a time),
+    whose answer or error is the request's. The step's other requests failed only because they shared its forward;
+    alone, the request at fault fails by itself. A stream that already sent tokens goes on from them: they are
+    appended to its prompt, and its budget of new tokens shrinks by as many (the client has them; a sampled
+    continuation stays consistent with what it saw)."""
+    from transformers.cli.serving.utils import EngineDeadError, GenerateRunner
 
     original_init, original_generate = runner_class.__init__, runner_class.generate
-    signature = inspect.signature(original_init)
+    signature, generate_signature = inspect.signature(original_init), inspect.signature(original_generate)
 
     def request_failure(result):
         if isinstance(result, EngineDeadError):
@@ -479,6 +490,9 @@ def _install_worker_restart_525(runner_class) -> None:
         self._flashinfer_mla_worker = (arguments["model"], arguments["cb_config"], arguments.get("context_length"))
         self._flashinfer_mla_replacing = threading.Condition()
         self._flashinfer_mla_gone = False  # a new worker could not start either: the engine is dead for good
+        # request id -> (inputs, generation kwargs, stream) while it runs under continuous batching: what running it
+        # again alone takes; the tokens each has streamed, and the ids run again (once each)
+        self._flashinfer_mla_requests, self._flashinfer_mla_streamed, self._flashinfer_mla_rerun = {}, {}, set()
         send_results = arguments["send_results"]
 
         def send(ids, tokens, finished):
@@ -486,13 +500,49 @@ def _install_worker_restart_525(runner_class) -> None:
             if self._flashinfer_mla_gone:
                 send_results(ids, tokens, finished)
                 return
+            with self.lock:
+                for i, token in zip(ids, tokens):
+                    self._flashinfer_mla_streamed.setdefault(i, []).append(token)
+            rerun = [(i, r) for i, r in finished if i is not None and isinstance(r, Exception) and runs_again(self, i)]
+            rerun_ids = {i for i, _ in rerun}
             # (an EngineDeadError for one request, from a worker found dead, would mark the whole engine dead)
-            send_results(ids, tokens, [(i, request_failure(r)) for i, r in finished if i is not None])
+            answered = [(i, request_failure(r)) for i, r in finished if i is not None and i not in rerun_ids]
+            for i, _ in answered:
+                forget(self, i)
+            send_results(ids, tokens, answered)
             if death is not None:  # this is the outputs thread of the worker that died: it replaces it
                 replace_worker(self, death, send_results)
+            for i, error in rerun:
+                inputs, generation_kwargs, stream = self._flashinfer_mla_requests[i]
+                with self.lock:
+                    sent = list(self._flashinfer_mla_streamed.get(i, ()))
+                logger.warning(f"Request {i} failed under continuous batching ({str(error)[:200]}); it runs again "
+                               f"alone, through generate(), after the {len(sent)} tokens it streamed")
+                left = generation_kwargs.get("max_new_tokens")
+                if left is not None and len(sent) >= left:  # (it had streamed all it asked for)
+                    send_results([], [], [(i, None)])
+                    forget(self, i)
+                    continue
+                kwargs = {**generation_kwargs, **({} if left is None else {"max_new_tokens": left - len(sent)})}
+                GenerateRunner.generate(self, i, _batched(inputs, sent), kwargs, stream)
 
         arguments["send_results"] = send
         original_init(*bound.args, **bound.kwargs)
+
+    def runs_again(self, request_id) -> bool:
+        """Whether a request that failed runs again alone: it ran under continuous batching and has not run again
+        yet (a second failure is its own)."""
+        with self.lock:
+            if request_id not in self._flashinfer_mla_requests or request_id in self._flashinfer_mla_rerun:
+                return False
+            self._flashinfer_mla_rerun.add(request_id)
+            return True
+
+    def forget(self, request_id) -> None:
+        with self.lock:
+            self._flashinfer_mla_requests.pop(request_id, None)
+            self._flashinfer_mla_streamed.pop(request_id, None)
+            self._flashinfer_mla_rerun.discard(request_id)
 
     def replace_worker(self, death, send_results) -> None:
         model, cb_config, context_length = self._flashinfer_mla_worker
@@ -518,11 +568,30 @@ def _install_worker_restart_525(runner_class) -> None:
 
         with self._flashinfer_mla_replacing:
             self._flashinfer_mla_replacing.wait_for(alive, timeout=RESTART_WAIT)
+        bound = generate_signature.bind(self, request_id, *args, **kwargs).arguments
+        with self.lock:  # (its kwargs copied: continuous batching's generate pops the seed from them)
+            self._flashinfer_mla_requests[request_id] = (bound["inputs"], dict(bound["generation_kwargs"]),
+                                                         bound["stream"])
         return original_generate(self, request_id, *args, **kwargs)
 
     runner_class.__init__ = functools.wraps(original_init)(__init__)
     runner_class.generate = functools.wraps(original_generate)(generate)
     setattr(runner_class.__init__, _INSTALLED, True)
+
+
+def _batched(inputs: dict, sent: list[int]) -> dict:
+    """A continuous-batching request's inputs (token lists: its handler tokenizes without tensors) as generate()
+    takes them, ``[1, N]`` tensors, followed by the tokens it already streamed (`sent`)."""
+    import torch
+
+    def batched(name, value):
+        if not isinstance(value, list):
+            return value
+        tensor = torch.tensor(value).reshape(1, -1)
+        more = sent if name == "input_ids" else [1] * len(sent) if name == "attention_mask" else []
+        return torch.cat([tensor, torch.tensor([more], dtype=tensor.dtype)], dim=1) if more else tensor
+
+    return {name: batched(name, value) for name, value in inputs.items()}
 
 
 def _install_worker_restart_524(manager_class) -> None:

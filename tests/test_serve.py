@@ -406,8 +406,8 @@ def test_a_request_failing_in_generate_fails_alone(generate_server, expected):
 
 def test_continuous_batching_replaces_a_worker_that_failed(server, expected):
     """An error in a step of continuous batching killed its worker, and Transformers then stopped the server. The
-    requests of that step fail (the fault hook's request, and any other sharing the step: one forward runs them
-    all), the runner starts a new worker, and the server goes on: later requests, concurrent, get eager's tokens."""
+    fault hook's request fails, a 500 or an error event naming the fault, the runner starts a new worker, and the
+    server goes on: later requests, concurrent, get eager's tokens."""
     url, path, process = server
     failing = {"model": str(path), "messages": [{"role": "user", "content": MARKER}], "max_tokens": 4}
     for stream in (False, True):
@@ -421,6 +421,44 @@ def test_continuous_batching_replaces_a_worker_that_failed(server, expected):
         got = [f.result(timeout=REQUEST_TIMEOUT) for f in futures]
     assert got == [expected(c) for c in contents]
     assert healthy(url, process)
+
+
+LONG = 40  # new tokens of the requests around a failing one
+
+
+def test_under_continuous_batching_a_failing_request_fails_alone(server, expected):
+    """One forward runs every request of a step, so the fault hook's request failed the requests that shared its
+    steps. Those run again alone, through generate(): they get eager's tokens, streamed or not, and the request at
+    fault gets its own error. The server log shows that the fault reached more requests than its own (each failed
+    one is named as it runs again), so the requests around it were in its step. (Transformers 5.24's server has no
+    runner to run them again: there they fail with the step.)"""
+    if not hasattr(_serving_utils(), "CBGenerateRunner"):
+        pytest.skip("Transformers 5.24's continuous batching server fails a step's requests together")
+    url, path, process = server
+    log = path / "server.log"
+    before = log.read_text().count("it runs again alone")
+    failing = {"model": str(path), "messages": [{"role": "user", "content": MARKER}], "max_tokens": 4}
+    contents = ["w3 w4 w5", "w10 w11 w12 w13 w14 w15 w16 w17 w18", "w7", "w20 w21 w22 w23 w24 w25"]
+    with ThreadPoolExecutor(len(contents) + 2) as pool:
+        # (long answers: the others are still decoding when the failing requests join their steps)
+        others = [pool.submit(chat, (url, str(path)), c, stream=i % 2 == 0, max_tokens=LONG)
+                  for i, c in enumerate(contents)]
+        time.sleep(0.05)
+        faults = [pool.submit(answer, url, failing, stream) for stream in (False, True)]
+        got = [f.result(timeout=REQUEST_TIMEOUT) for f in others]
+        plain, streamed = (f.result(timeout=REQUEST_TIMEOUT) for f in faults)
+    assert got == [expected(c, LONG) for c in contents]
+    assert plain["status"] == 500 and FAULT in plain["error"]["message"], plain
+    assert streamed["status"] == 200 and FAULT in json.dumps(streamed["error"]), streamed
+    ran_again = log.read_text().count("it runs again alone") - before
+    assert ran_again > 2, f"only {ran_again} requests ran again: the fault reached no other request"
+    assert healthy(url, process)
+
+
+def _serving_utils():
+    from transformers.cli.serving import utils
+
+    return utils
 
 
 # --- the command line ------------------------------------------------------------------------------------------------
