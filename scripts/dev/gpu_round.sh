@@ -29,6 +29,9 @@
 #                                              # CB_LIMIT s; then the decode-only step at 64 x 4k against its
 #                                              # bandwidth floor), serving-cb256-v3 (the same on the V3 shape)
 #   bash scripts/dev/gpu_round.sh serving-v3   # the same on the V3 attention shape, with the SDPA-prefill A/B
+#   bash scripts/dev/gpu_round.sh serving-mixed # DeepSeek-V2-Lite: the mixed-step graphs A/B at 16 requests,
+#                                              # Transformers' own on sdpa at 256 within 50 s, then serving-mixed512
+#                                              # (the A/B at 256 requests in steps of at most 512 tokens, 60 s each)
 #   bash scripts/dev/gpu_round.sh serving-sparse # DeepSeek-V3.2's attention with its indexer, 64 requests of 4k-32k
 #                                              # tokens: continuous batching against generate() on batches of 8
 #                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each bounded;
@@ -79,7 +82,7 @@ devkit() {
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
-MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb256-v3"
+MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb256-v3 serving-mixed serving-mixed512"
 MODES="$MODES serving-v3 serving-sparse sparse fp8 tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
@@ -203,7 +206,7 @@ mode_serving_cb16() {
 # floor. serving-cb256-v3: the same requests on the V3 attention shape.
 mode_serving_cb256() {
   local limit=${CB_LIMIT:-170}
-  run $((limit + 160)) python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D" \
+  run $((limit + 220)) python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D" \
     --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs cb-sdpa --cb-time-limit "$limit" \
     --name serving_cb_deepseek-v2-lite_256.json
   run 55 python3 scripts/bench_decode.py --graphs --batch 64 --context 4096 --attn flashinfer_mla --steps 10 \
@@ -216,6 +219,23 @@ mode_serving_cb256_v3() {
   run $((limit + 150)) python3 scripts/bench_serving.py --model deepseek-v3-attn --no-progress --out "$D" \
     --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs cb-sdpa --cb-time-limit "$limit" \
     --name serving_cb_deepseek-v3-attn_256.json
+  show 40
+}
+
+# Mixed-step graphs where steps mix: DeepSeek-V2-Lite at 16 requests, and at 256 with steps of at most 512 tokens
+# (prefill chunks beside many decodes), each A/B in one process; Transformers' own on sdpa at 256 within 50 s.
+mode_serving_mixed() {
+  run 100 python3 scripts/bench_serving.py --model deepseek-v2-lite --requests 16 --no-progress --out "$D" \
+    --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs --name serving_cb_deepseek-v2-lite_16.json
+  run 150 python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D" --modes cb-sdpa \
+    --cb-time-limit 50 --name serving_cb_deepseek-v2-lite_256_sdpa.json
+  mode_serving_mixed512
+}
+
+mode_serving_mixed512() {
+  run 300 python3 scripts/bench_serving.py --model deepseek-v2-lite --cb-max-batch-tokens 512 --no-progress \
+    --out "$D" --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs --cb-time-limit 60 \
+    --name serving_cb_deepseek-v2-lite_256_tokens512.json
   show 40
 }
 
