@@ -11,6 +11,9 @@ import re
 import sys
 
 import pytest
+import torch
+
+from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 
 GPU_TESTS = pathlib.Path(__file__).parent / "gpu"
 ROUND = pathlib.Path(__file__).parents[1] / "scripts" / "dev" / "gpu_round.sh"
@@ -73,3 +76,71 @@ def test_every_gpu_round_mode_documented_is_registered_and_defined():
     assert documented <= registered, f"documented but not registered: {sorted(documented - registered)}"
     assert registered - {"bench"} <= defined, f"registered without a function: {sorted(registered - defined)}"
     assert "prefill" in registered and "serving-sparse" in registered
+
+
+# --- the GPU controls' faults, reached on the stand-in's decode path ---------------------------------------------------
+def _teacher_forced(model, steps=6, **kwargs):
+    """The GPU suite's teacher-forced run (``tests/gpu/test_gpu_backends.py`` `_teacher_forced`), small: a left-padded
+    batch prefilled, then `steps` forced tokens, one logits row per sequence and step."""
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(1)
+    lengths, width = (9, 4, 7), 9
+    ids, mask = torch.zeros(len(lengths), width, dtype=torch.long), torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:], mask[i, width - n:] = torch.randint(1, 90, (n,), generator=g), 1
+    forced = torch.randint(1, 90, (len(lengths), steps), generator=g)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=model.config),
+                    use_cache=True)
+        logits = []
+        for t in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+            pos = pos[:, -1:] + 1
+            out = model(input_ids=forced[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=out.cache,
+                        use_cache=True, **kwargs)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+def test_the_gpu_controls_faults_reach_the_decode_path(fake_hopper, monkeypatch):
+    """``test_bounds_catch_wrong_scale_and_mask`` injects a 10% wrong scale at ``kernels.fa.run`` and leaky rows at
+    ``plan.StepPlan.rows``, and asserts every decode layer of every step met them. On the fa3 stand-in the same
+    injections are reached as often, and each moves the logits far from the reference backend's (the oracle here:
+    eager's float64 over left padding is NaN) while the clean run matches them: a decode path that moved away from
+    either point fails here, on the CPU, before a GPU round."""
+    import dataclasses
+
+    from helpers import make_model
+    from hf_flashinfer_mla.kernels import fa
+    from hf_flashinfer_mla.plan import StepPlan
+    from hf_flashinfer_mla.rows import Rows
+
+    model = make_model("deepseek_v3")
+    layers, steps = model.config.num_hidden_layers, 6
+    oracle = _teacher_forced(model, steps, mla_backend="reference")
+
+    def rel(a):
+        return float((a - oracle).norm() / oracle.norm())
+
+    clean = rel(_teacher_forced(model, steps, mla_backend="fa3"))
+    launches, leaks, run = [], [], fa.run
+
+    def wrong_scale(meta, layer, *args, **kwargs):
+        launches.append(layer.scale)
+        return run(meta, dataclasses.replace(layer, scale=layer.scale * 1.1), *args, **kwargs)
+
+    def leaky_rows(step):
+        leaks.append(step)
+        return Rows.from_mask(torch.ones_like(step.mask[:, 0, -1, :]), step.q_len)
+
+    with monkeypatch.context() as m:
+        m.setattr(fa, "run", wrong_scale)
+        wrong = rel(_teacher_forced(model, steps, mla_backend="fa3"))
+    with monkeypatch.context() as m:
+        m.setattr(StepPlan, "rows", leaky_rows)
+        leaky = rel(_teacher_forced(model, steps, mla_backend="fa3"))
+    assert len(launches) == steps * layers and len({id(s) for s in leaks}) == steps
+    assert clean < 1e-10, clean  # (float64: the stand-in computes what the reference does)
+    assert wrong > 1e-4 and leaky > 1e-4, (wrong, leaky)
