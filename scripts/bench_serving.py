@@ -1,7 +1,9 @@
 """Serving benchmark: many requests arriving at once, continuous batching against static generate() batches.
 
 Random weights (nothing is downloaded). `--requests` prompts of random lengths in [--prompt-min, --prompt-max]
-(fixed seed) all arrive at t0; each generates `--new` tokens greedily (EOS off). Modes, in one run:
+(fixed seed) all arrive at t0 (or, with `--request-rate R`, as a Poisson process of R per second: continuous
+batching's steps then mix a few prefill tokens with many decodes); each generates `--new` tokens greedily (EOS
+off). Modes, in one run:
 
   cb-flashinfer_mla        model.init_continuous_batching() with attn_implementation="flashinfer_mla" (the paged
                            latent cache of hf_flashinfer_mla.paged_cache), every request added at t0; its decode
@@ -66,6 +68,17 @@ def make_prompts(args, vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in lengths]
 
 
+def arrival_times(args) -> list[float]:
+    """Seconds after t0 at which each request arrives: all at t0, or a Poisson process of `--request-rate` requests
+    per second (exponential gaps, fixed seed), the first at t0."""
+    if not args.request_rate:
+        return [0.0] * args.requests
+    g = torch.Generator().manual_seed(args.seed + 1)
+    gaps = torch.empty(args.requests).exponential_(args.request_rate, generator=g)
+    gaps[0] = 0.0
+    return gaps.cumsum(0).tolist()
+
+
 def progress(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
@@ -120,15 +133,22 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
              "cuda_graphs": list(resolved.cuda_graph_booleans), "async_batching": bool(resolved.use_async_batching)}
     manager.start()
     ttft, itl, tokens = [], [], 0
+    arrivals, arrived, ids = arrival_times(args), {}, []
     try:
         t0 = time.perf_counter()
-        ids = [manager.add_request(p, max_new_tokens=args.new, record_timestamps=True) for p in prompts]
-        pending = set(ids)
-        with progress(len(ids), f"cb-{attn}", args.progress) as bar:
-            while pending:
-                if args.cb_time_limit and time.perf_counter() - t0 > args.cb_time_limit:
+        pending = set()
+        with progress(len(prompts), f"cb-{attn}", args.progress) as bar:
+            while pending or len(ids) < len(prompts):
+                now = time.perf_counter() - t0
+                if args.cb_time_limit and now > args.cb_time_limit:
                     break  # (reported as "time-limit", with the requests finished by then)
-                out = manager.get_result(timeout=1)
+                while len(ids) < len(prompts) and arrivals[len(ids)] <= now:  # (the requests due by now)
+                    rid = manager.add_request(prompts[len(ids)], max_new_tokens=args.new, record_timestamps=True)
+                    ids.append(rid)
+                    pending.add(rid)
+                    arrived[rid] = t0 + arrivals[len(ids) - 1]
+                due = arrivals[len(ids)] - now if len(ids) < len(prompts) else 1.0
+                out = manager.get_result(timeout=max(0.0, min(1.0, due)))
                 if out is None:
                     if not manager.is_running():
                         raise RuntimeError("the continuous batching loop stopped")
@@ -142,7 +162,7 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
                 tokens += len(out.generated_tokens)
                 stamps = out.timestamps or []
                 if stamps:
-                    ttft.append(stamps[0] - t0)
+                    ttft.append(stamps[0] - arrived[out.request_id])
                     itl += [b - a for a, b in zip(stamps, stamps[1:])]
         bc.synchronize(device)
         wall = time.perf_counter() - t0
@@ -152,7 +172,8 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
         # its attention (flashinfer_mla's latent rows and Transformers' MLA rows are not interchangeable).
         model.destroy_cached_continuous_batching_manager()
     setup["finished_requests"] = len(ids) - len(pending)
-    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl, "setup": setup, "cut": bool(pending)}
+    cut = bool(pending) or len(ids) < len(prompts)
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl, "setup": setup, "cut": cut}
 
 
 class StepTimes:
@@ -257,6 +278,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-max", type=int, default=4096)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--static-batch", type=int, default=32)
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="cb modes: requests arrive as a Poisson process of this many per second (TTFT from each "
+                        "request's arrival) instead of all at t0; the generate modes refuse it")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="generate() modes: prefill_chunk_size (default: the whole prompt at once)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + AB_MODES)
@@ -276,6 +300,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not 1 <= args.prompt_min <= args.prompt_max or args.new < 1 or args.requests < 1:
         p.error("need 1 <= --prompt-min <= --prompt-max, --new >= 1 and --requests >= 1")
+    if args.request_rate is not None and (args.request_rate <= 0 or any(m.startswith("generate") for m in args.modes)):
+        p.error("--request-rate must be > 0 and applies to the cb modes only (static batches wait for no arrivals)")
     return args
 
 
@@ -306,9 +332,10 @@ def main(argv=None) -> int:
                      f"{r['graphed_steps']}/{r['steps']} ({r['graphed_mixed_steps']} mixed)" if "steps" in r else "",
                      "" if ok else r["status"].upper()])
     print()
+    arriving = f"arriving at {args.request_rate}/s" if args.request_rate else "at once"
     bc.print_table(["mode", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "peak MiB",
                     "steps in graphs", ""],
-                   rows, [f"{args.model}: {args.requests} requests at once, prompts {args.prompt_min}-"
+                   rows, [f"{args.model}: {args.requests} requests {arriving}, prompts {args.prompt_min}-"
                           f"{args.prompt_max} tokens, {args.new} new tokens each, greedy; static batches of "
                           f"{args.static_batch}"])
     path = bc.write_json(args.out, name, payload)

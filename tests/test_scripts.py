@@ -63,6 +63,27 @@ def test_script_runs_on_cpu(script, args, output, tmp_path, capsys):
         assert by_mode["cb-sdpa"].get("attn_implementation", "sdpa") == "sdpa"
 
 
+def test_serving_with_requests_arriving_over_time_on_cpu(tmp_path):
+    """``bench_serving.py --request-rate``: requests join a running manager as a Poisson process (first at t0, times
+    increasing, fixed seed), all finish, and a static-batch mode refuses the rate."""
+    import types
+
+    import bench_serving
+
+    times = bench_serving.arrival_times(types.SimpleNamespace(requests=200, request_rate=40.0, seed=0))
+    assert times[0] == 0.0 and all(b >= a for a, b in zip(times, times[1:]))
+    assert 0.5 * 200 / 40 < times[-1] < 2 * 200 / 40  # (about requests / rate seconds)
+    args = ["--model", "tiny", "--requests", "5", "--prompt-min", "3", "--prompt-max", "9", "--new", "2",
+            "--cb-num-blocks", "64", "--cb-page-size", "16", "--cb-max-batch-tokens", "16", "--no-progress",
+            "--request-rate", "20", "--modes", "cb-flashinfer_mla", "cb-flashinfer_mla-decode-graphs"]
+    assert bench_serving.main(args + CPU + ["--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "serving_tiny.json").read_text())["results"]
+    assert [r["status"] for r in results] == ["ok", "ok"] and all(r["finished_requests"] == 5 for r in results)
+    assert all(r["steps"] > 0 and r["ttft_p50_s"] > 0 for r in results)
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--request-rate", "5", "--modes", "generate-sdpa"])
+
+
 def test_parallel_gpu_suite_reports_every_collected_test_and_counts_a_cut_run_as_missing(tmp_path):
     """``scripts/dev/gpu_suite_parallel.py`` on the CPU, where every GPU test skips: all collected tests are reported
     (exit 0); with workers stopped before they start, every test is missing and the run fails (exit 1)."""

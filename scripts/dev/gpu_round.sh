@@ -32,6 +32,8 @@
 #   bash scripts/dev/gpu_round.sh serving-mixed # DeepSeek-V2-Lite: the mixed-step graphs A/B at 16 requests,
 #                                              # Transformers' own on sdpa at 256 within 50 s, then serving-mixed512
 #                                              # (the A/B at 256 requests in steps of at most 512 tokens, 60 s each)
+#   bash scripts/dev/gpu_round.sh serving-arrivals # the same A/B with 256 requests arriving at ARRIVAL_RATE per
+#                                              # second (8): steps of a few prefill tokens beside many decodes
 #   bash scripts/dev/gpu_round.sh serving-sparse # DeepSeek-V3.2's attention with its indexer, 64 requests of 4k-32k
 #                                              # tokens: continuous batching against generate() on batches of 8
 #                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each bounded;
@@ -82,7 +84,8 @@ devkit() {
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
-MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb256-v3 serving-mixed serving-mixed512"
+MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb256-v3"
+MODES="$MODES serving-mixed serving-mixed512 serving-arrivals"
 MODES="$MODES serving-v3 serving-sparse sparse fp8 tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
@@ -236,6 +239,15 @@ mode_serving_mixed512() {
   run 300 python3 scripts/bench_serving.py --model deepseek-v2-lite --cb-max-batch-tokens 512 --no-progress \
     --out "$D" --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs --cb-time-limit 60 \
     --name serving_cb_deepseek-v2-lite_256_tokens512.json
+  show 40
+}
+
+# Mixed-step graphs where requests arrive over time (a Poisson process of ARRIVAL_RATE per second, 8 by default):
+# DeepSeek-V2-Lite, 256 requests, every step its graphs take against all-decode steps only.
+mode_serving_arrivals() {
+  run 420 python3 scripts/bench_serving.py --model deepseek-v2-lite --request-rate "${ARRIVAL_RATE:-8}" \
+    --no-progress --out "$D" --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs --cb-time-limit 180 \
+    --name serving_cb_deepseek-v2-lite_256_arrivals.json
   show 40
 }
 
