@@ -476,6 +476,7 @@ def _install_worker_restart_525(runner_class) -> None:
     from transformers.cli.serving.utils import EngineDeadError, GenerateRunner
 
     original_init, original_generate = runner_class.__init__, runner_class.generate
+    original_cancel = runner_class.cancel
     signature, generate_signature = inspect.signature(original_init), inspect.signature(original_generate)
 
     def request_failure(result):
@@ -574,8 +575,15 @@ def _install_worker_restart_525(runner_class) -> None:
                                                          bound["stream"])
         return original_generate(self, request_id, *args, **kwargs)
 
+    def cancel(self, request_id) -> None:
+        # A cancelled request ends without a result through `send` (Transformers drops its outputs): what was kept to
+        # run it again goes here.
+        original_cancel(self, request_id)
+        forget(self, request_id)
+
     runner_class.__init__ = functools.wraps(original_init)(__init__)
     runner_class.generate = functools.wraps(original_generate)(generate)
+    runner_class.cancel = functools.wraps(original_cancel)(cancel)
     setattr(runner_class.__init__, _INSTALLED, True)
 
 

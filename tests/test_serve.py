@@ -455,6 +455,40 @@ def test_under_continuous_batching_a_failing_request_fails_alone(server, expecte
     assert healthy(url, process)
 
 
+def test_what_a_request_keeps_to_run_again_goes_when_it_ends_or_is_cancelled():
+    """The runner keeps each continuous-batching request's inputs while it runs, to run it again alone if its step
+    fails. A request that ends gives them back through its result; a cancelled one ends with no result (Transformers
+    drops its outputs), so the cancel itself must: otherwise a long-running server keeps every cancelled prompt."""
+    if not hasattr(_serving_utils(), "CBGenerateRunner"):
+        pytest.skip("Transformers 5.24's continuous batching server runs no request again")
+    import threading
+    from types import SimpleNamespace
+
+    from hf_flashinfer_mla import serve_guards
+
+    class Runner:  # (CBGenerateRunner's surface that the wrapper reads)
+        def __init__(self, model, processor, send_results, cb_config, context_length=None):
+            self.lock, self.send_results, self.cancelled = threading.Lock(), send_results, []
+            self.manager = SimpleNamespace(background_thread_status=SimpleNamespace(fatal_error=None))
+
+        def generate(self, request_id, inputs, generation_kwargs, stream):
+            pass
+
+        def cancel(self, request_id):
+            self.cancelled.append(request_id)
+
+    serve_guards._install_worker_restart_525(Runner)
+    sent = []
+    runner = Runner(None, None, lambda *args: sent.append(args), None)
+    for request_id in (7, 8):
+        runner.generate(request_id, {"input_ids": [1, 2, 3]}, {"max_new_tokens": 4}, False)
+    assert set(runner._flashinfer_mla_requests) == {7, 8}
+    runner.send_results([], [], [(8, [5, 6, 7, 8])])  # 8 ends with its tokens
+    runner.cancel(7)
+    assert runner.cancelled == [7] and sent == [([], [], [(8, [5, 6, 7, 8])])]
+    assert runner._flashinfer_mla_requests == {}
+
+
 def _serving_utils():
     from transformers.cli.serving import utils
 
