@@ -15,17 +15,18 @@ takes the server down.
   context);
 * continuous batching survives an error: when its worker dies (an error in a step, or a request that outgrows the
   whole cache), the runner starts a new worker on the same model and cache settings; Transformers marks the engine
-  dead instead, and from 5.25 stops the server. From 5.25 a failing request also fails alone: one forward runs
-  every request of a step, so they all fail with it, and each runs again alone, through ``generate()`` one request
-  at a time (the runner's own queue, as without continuous batching), from where its stream stopped: the one at
-  fault fails there with its own error, the others get their answers (`_install_worker_restart_525`). On 5.24 the
-  requests of the step fail with it.
+  dead instead, and from 5.25 stops the server. A failing request also fails alone: one forward runs every request
+  of a step, so they all fail with it, and each runs again alone, through ``generate()`` one request at a time (as
+  without continuous batching: 5.25's runner's own queue, 5.24's inference thread), from where its stream stopped:
+  the one at fault fails there with its own error, the others get their answers (`_install_worker_restart_525`,
+  `_install_worker_restart_524`).
 
 `install` puts them in place, idempotently (`_INSTALLED` marks what it installed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
 import inspect
@@ -602,11 +603,122 @@ def _batched(inputs: dict, sent: list[int]) -> dict:
     return {name: batched(name, value) for name, value in inputs.items()}
 
 
+class _Relayed:
+    """A request's answer from its run alone, in the shape of continuous batching's `GenerationOutput` (the part that
+    5.24's result handlers read): all the tokens so far, an error, finished or not."""
+
+    def __init__(self, request_id, tokens: list[int], finished: bool, error: str | None = None):
+        self.request_id, self.generated_tokens, self.error, self._finished = request_id, tokens, error, finished
+
+    def is_finished(self) -> bool:
+        return self._finished
+
+
+class _RelayStreamer:
+    """generate()'s streamer for a request run again alone: each new token goes to the request's own result handler
+    (on its event loop) as continuous batching's outputs did, after the tokens it already had (`sent`)."""
+
+    def __init__(self, request_id, sent: list[int], deliver):
+        self.request_id, self.tokens, self.deliver, self.prompt_seen = request_id, list(sent), deliver, False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # (generate() puts the prompt first)
+            self.prompt_seen = True
+            return
+        self.tokens += value.reshape(-1).tolist()
+        self.deliver(_Relayed(self.request_id, list(self.tokens), finished=False))
+
+    def end(self) -> None:
+        pass  # (the run's end is delivered with its whole answer, or its error)
+
+
+def _run_alone_524(model, inputs: dict, sent: list[int], gen_config, request_id, deliver, stream: bool) -> None:
+    """Runs a request again, alone, through generate() (on the caller's inference thread), and delivers its answer:
+    each token as it comes when streamed, then the end (its whole answer, or its own error)."""
+    import copy
+
+    try:
+        config = copy.deepcopy(gen_config)
+        if config.max_new_tokens is not None:
+            config.max_new_tokens -= len(sent)
+        tokens = list(sent)
+        if config.max_new_tokens is None or config.max_new_tokens > 0:
+            batched = {name: value.to(model.device) if hasattr(value, "to") else value
+                       for name, value in _batched(inputs, sent).items()}
+            relay = _RelayStreamer(request_id, sent, deliver) if stream else None
+            out = model.generate(**batched, generation_config=config, streamer=relay)
+            tokens += out[0, batched["input_ids"].shape[-1]:].tolist()
+        deliver(_Relayed(request_id, tokens, finished=True))
+    except Exception as error:  # noqa: BLE001  (the request's own error is its answer)
+        deliver(_Relayed(request_id, [], finished=True, error=f"{type(error).__name__}: {error}"))
+
+
 def _install_worker_restart_524(manager_class) -> None:
     """Transformers 5.24: `CBGenerateManager` runs in the server's process; once its worker died, every request gets
     a 503 and /health says unhealthy. Here the next request starts a new worker first (`init_cb`, which every
-    continuous batching request calls before it generates)."""
+    continuous batching request calls before it generates).
+
+    A request that fails under continuous batching runs again, once, alone, through generate() on this manager's own
+    inference thread (`GenerateManager`'s, as without continuous batching), and its result handler gets that answer
+    in the shape continuous batching delivers: the tokens (a stream after the ones it already sent) or its own
+    error. `generate_streaming` and `generate_non_streaming` both register that handler with the worker
+    (`register_result_handler`), which is wrapped on each worker: the handler of a request they keep
+    (`_flashinfer_mla_kept`: request id -> what running it alone takes, from the call until the registration) holds
+    what it keeps from then on, and it goes with the handler."""
     original_init_cb, original_is_alive = manager_class.init_cb, manager_class.is_alive
+
+    def kept_by(self) -> dict:
+        return vars(self).setdefault("_flashinfer_mla_kept", {})
+
+    def run_alone_on_failure(self, cb) -> None:
+        register = type(cb).register_result_handler
+
+        def register_result_handler(request_id, callback):
+            kept = kept_by(self).pop(request_id, None)
+            if kept is None:
+                return register(cb, request_id, callback)
+            model, inputs, gen_config, stream = kept
+            loop, sent = asyncio.get_running_loop(), []
+
+            def deliver(output):  # (from the inference thread onto the handler's event loop)
+                loop.call_soon_threadsafe(callback, output)
+
+            def on_output(output):
+                if output.error is None:
+                    sent[:] = output.generated_tokens
+                    callback(output)
+                    return
+                logger.warning(f"Request {request_id} failed under continuous batching ({str(output.error)[:200]}); "
+                               f"it runs again alone, through generate(), after the {len(sent)} tokens it streamed")
+                if getattr(self, "_flashinfer_mla_alone", None) is None:
+                    self._flashinfer_mla_alone = _serving_utils.GenerateManager()
+                self._flashinfer_mla_alone.submit(_run_alone_524, model, inputs, list(sent), gen_config, request_id,
+                                                  deliver, stream)
+
+            return register(cb, request_id, on_output)
+
+        cb.register_result_handler = register_result_handler
+
+    # Kept from the call to the registration, which takes it (a request that fails before registering leaves
+    # nothing behind): generate_streaming registers before it returns, generate_non_streaming once awaited.
+    original_streaming, original_non_streaming = manager_class.generate_streaming, manager_class.generate_non_streaming
+
+    @functools.wraps(original_streaming)
+    def generate_streaming(self, model, processor, inputs, gen_config, request_id, *args, **kwargs):
+        kept_by(self)[request_id] = (model, inputs, gen_config, True)
+        try:
+            return original_streaming(self, model, processor, inputs, gen_config, request_id, *args, **kwargs)
+        finally:
+            kept_by(self).pop(request_id, None)
+
+    @functools.wraps(original_non_streaming)
+    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id, *args, **kwargs):
+        kept_by(self)[request_id] = (model, inputs, gen_config, False)
+        try:
+            return await original_non_streaming(self, model, processor, inputs, gen_config, request_id, *args,
+                                                **kwargs)
+        finally:
+            kept_by(self).pop(request_id, None)
 
     def init_cb(self, model, gen_config):
         dead = self._cb
@@ -619,7 +731,10 @@ def _install_worker_restart_524(manager_class) -> None:
                 logger.debug("Stopping the dead continuous batching worker raised", exc_info=True)
             self._cb = None
             _free_device_memory(model, dead)
+        started = self._cb is None
         original_init_cb(self, model, gen_config)
+        if started and self._cb is not None:
+            run_alone_on_failure(self, self._cb)
 
     def is_alive(self):
         # A dead worker is replaced by the next request: the server stays healthy.
@@ -627,6 +742,7 @@ def _install_worker_restart_524(manager_class) -> None:
 
     manager_class.init_cb = functools.wraps(original_init_cb)(init_cb)
     manager_class.is_alive = functools.wraps(original_is_alive)(is_alive)
+    manager_class.generate_streaming, manager_class.generate_non_streaming = generate_streaming, generate_non_streaming
     setattr(manager_class.init_cb, _INSTALLED, True)
 
 

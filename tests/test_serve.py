@@ -430,10 +430,8 @@ def test_under_continuous_batching_a_failing_request_fails_alone(server, expecte
     """One forward runs every request of a step, so the fault hook's request failed the requests that shared its
     steps. Those run again alone, through generate(): they get eager's tokens, streamed or not, and the request at
     fault gets its own error. The server log shows that the fault reached more requests than its own (each failed
-    one is named as it runs again), so the requests around it were in its step. (Transformers 5.24's server has no
-    runner to run them again: there they fail with the step.)"""
-    if not hasattr(_serving_utils(), "CBGenerateRunner"):
-        pytest.skip("Transformers 5.24's continuous batching server fails a step's requests together")
+    one is named as it runs again), so the requests around it were in its step. (Transformers 5.25's runner and
+    5.24's manager each take their own path there.)"""
     url, path, process = server
     log = path / "server.log"
     before = log.read_text().count("it runs again alone")
@@ -487,6 +485,95 @@ def test_what_a_request_keeps_to_run_again_goes_when_it_ends_or_is_cancelled():
     runner.cancel(7)
     assert runner.cancelled == [7] and sent == [([], [], [(8, [5, 6, 7, 8])])]
     assert runner._flashinfer_mla_requests == {}
+
+
+def test_a_request_that_continuous_batching_failed_runs_alone_after_the_tokens_it_sent_524():
+    """Transformers 5.24's manager: a request whose continuous-batching output comes back failed runs again alone
+    through generate(), from its prompt and the tokens its handler already had, and its handler gets the tokens as
+    continuous batching would have sent them; a non-streamed one runs again from its prompt. What was kept to run it
+    again goes with its registration, or with its error when it never registered."""
+    if not hasattr(_serving_utils(), "GenerateManager"):
+        pytest.skip("Transformers 5.25+ runs requests again through its runner (the test above)")
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import GenerationConfig
+
+    from hf_flashinfer_mla import serve_guards
+
+    class Worker:  # (the continuous batching manager's surface that the wrapper reads)
+        def __init__(self):
+            self.handlers, self.background_thread_status = {}, SimpleNamespace(fatal_error=None)
+
+        def register_result_handler(self, request_id, callback):
+            self.handlers[request_id] = callback
+
+    class Manager:  # (CBGenerateManager's)
+        def __init__(self):
+            self._cb = None
+
+        def init_cb(self, model, gen_config):
+            self._cb = self._cb or Worker()
+
+        def is_alive(self):
+            return True
+
+        def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
+            if inputs.get("refused"):
+                raise RuntimeError("refused before it registered")
+            outputs = []
+            self._cb.register_result_handler(request_id, outputs.append)
+            return outputs, None
+
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            done = asyncio.get_running_loop().create_future()
+            self._cb.register_result_handler(request_id, done.set_result)
+            return await done
+
+    class Model:
+        device, prompts = torch.device("cpu"), []
+
+        def generate(self, input_ids, generation_config, streamer=None):
+            self.prompts.append(input_ids.tolist())
+            new = torch.tensor([[7, 8, 9, 10][: generation_config.max_new_tokens]])
+            if streamer is not None:
+                streamer.put(input_ids)
+                for token in new[0]:
+                    streamer.put(token.reshape(1))
+                streamer.end()
+            return torch.cat([input_ids, new], dim=1)
+
+    def output(tokens, error=None, finished=False):
+        return SimpleNamespace(generated_tokens=tokens, error=error, is_finished=lambda: finished)
+
+    serve_guards._install_worker_restart_524(Manager)
+    manager, model, config = Manager(), Model(), GenerationConfig(max_new_tokens=4)
+
+    async def run():
+        manager.init_cb(model, config)
+        with pytest.raises(RuntimeError, match="refused"):
+            manager.generate_streaming(model, None, {"input_ids": [1], "refused": True}, config, "r0")
+        outputs, _ = manager.generate_streaming(model, None, {"input_ids": [1, 2, 3]}, config, "r1")
+        assert manager._flashinfer_mla_kept == {}  # (taken by the registration)
+        handler = manager._cb.handlers["r1"]
+        handler(output([5]))
+        handler(output([5], error="the step failed", finished=True))
+        answer = asyncio.ensure_future(manager.generate_non_streaming(model, None, {"input_ids": [4]}, config, "r2"))
+        while "r2" not in manager._cb.handlers:
+            await asyncio.sleep(0.01)
+        manager._cb.handlers["r2"](output([], error="the step failed", finished=True))
+        result = await asyncio.wait_for(answer, timeout=30)
+        while not outputs[-1].is_finished():
+            await asyncio.sleep(0.01)
+        return outputs, result
+
+    outputs, result = asyncio.run(run())
+    assert [o.generated_tokens for o in outputs] == [[5], [5, 7], [5, 7, 8], [5, 7, 8, 9], [5, 7, 8, 9]]
+    assert outputs[-1].error is None and outputs[-1].is_finished()
+    assert result.error is None and result.generated_tokens == [7, 8, 9, 10]
+    assert sorted(model.prompts) == [[[1, 2, 3, 5]], [[4]]]
+    assert manager._flashinfer_mla_kept == {}
 
 
 def _serving_utils():
