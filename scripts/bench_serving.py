@@ -116,6 +116,23 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, 
         ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step = supported, pays, prepare
 
 
+def produced_by_running(manager, running) -> int:
+    """The tokens the requests still running have generated so far (read from the scheduler's request states: a
+    time-limited mode counts them beside the finished requests' tokens)."""
+    processor = manager.batch_processor
+    if processor is None:
+        return 0
+    for _ in range(5):  # (the generation thread may change the dict while it is copied)
+        try:
+            states = dict(processor.scheduler.active_requests)
+            break
+        except RuntimeError:
+            continue
+    else:
+        return 0
+    return sum(len(states[r].generated_tokens) for r in running if r in states)
+
+
 def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -140,8 +157,11 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
         with progress(len(prompts), f"cb-{attn}", args.progress) as bar:
             while pending or len(ids) < len(prompts):
                 now = time.perf_counter() - t0
-                if args.cb_time_limit and now > args.cb_time_limit:
-                    break  # (reported as "time-limit", with the requests finished by then)
+                if args.time_limit and now > args.time_limit:
+                    # (reported as "time-limit": the requests finished by then, and every token produced by then,
+                    # those of the requests still running included)
+                    tokens += produced_by_running(manager, pending)
+                    break
                 while len(ids) < len(prompts) and arrivals[len(ids)] <= now:  # (the requests due by now)
                     rid = manager.add_request(prompts[len(ids)], max_new_tokens=args.new, record_timestamps=True)
                     ids.append(rid)
@@ -192,10 +212,13 @@ class StepTimes:
 
 def run_static(model, attn, prompts, args, device) -> dict:
     model.set_attn_implementation(attn)
-    ttft, itl, tokens = [], [], 0
+    ttft, itl, tokens, finished = [], [], 0, 0
     t0 = time.perf_counter()
     with progress(len(prompts), f"generate-{attn}", args.progress) as bar:
         for start in range(0, len(prompts), args.static_batch):
+            left = None if not args.time_limit else args.time_limit - (time.perf_counter() - t0)
+            if left is not None and left <= 0:
+                break
             batch = prompts[start : start + args.static_batch]
             width = max(len(p) for p in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -204,17 +227,22 @@ def run_static(model, attn, prompts, args, device) -> dict:
                 ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
             steps = StepTimes(device)
             chunked = {"prefill_chunk_size": args.prefill_chunk} if args.prefill_chunk else {}
+            # (max_time: generate() stops the batch in flight at the limit, checked after each step; a prefill in
+            # progress runs to its end)
+            limited = {"max_time": left} if left is not None else {}
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=args.new,
                                  min_new_tokens=args.new, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 streamer=steps, **chunked)
+                                 streamer=steps, **chunked, **limited)
             new = out.shape[1] - width
             tokens += new * len(batch)
+            finished += len(batch) if new == args.new else 0
             stamps = steps.times[1:]  # after the prompt
             ttft += [stamps[0] - t0] * len(batch)
             itl += [b - a for a, b in zip(stamps, stamps[1:])] * len(batch)
             bar.update(len(batch))
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl}
+    return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl, "finished_requests": finished,
+            "cut": finished < len(prompts)}
 
 
 def unpageable(attn: str) -> str | None:
@@ -246,19 +274,25 @@ def run(mode, model, prompts, args, device) -> dict:
             got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab, graphs=graphs,
                          mixed_graphs=mixed_graphs)
             rec.update(got["setup"])
-            if got["cut"]:  # not every request finished: no throughput, only what finished within the limit
-                return {**rec, "status": "time-limit", "wall_s": got["wall_s"], "output_tokens": got["tokens"],
-                        "message": f"{rec['finished_requests']} of {len(prompts)} requests finished within "
-                                   f"--cb-time-limit {args.cb_time_limit} s"}
         else:
             got = run_static(model, attn, prompts, args, device)
-        rec.update(
-            wall_s=got["wall_s"], output_tokens=got["tokens"], tokens_per_s=got["tokens"] / got["wall_s"],
-            ttft_p50_s=percentile(got["ttft"], 50), ttft_p99_s=percentile(got["ttft"], 99),
-            itl_p50_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 50),
-            itl_p99_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 99),
-            itl_mean_ms=None if not got["itl"] else 1e3 * statistics.fmean(got["itl"]),
-        )
+            rec["finished_requests"] = got["finished_requests"]
+        if got["cut"]:
+            # Not every request finished within --time-limit: what finished, and the tokens produced by then (the
+            # unfinished requests' too) over the limit. Latencies over the finished requests alone would flatter
+            # the mode that finished fewer, so none are reported.
+            rec.update(status="time-limit", wall_s=got["wall_s"], output_tokens=got["tokens"],
+                       tokens_per_s=got["tokens"] / got["wall_s"],
+                       message=f"{rec['finished_requests']} of {len(prompts)} requests finished and "
+                               f"{got['tokens']} tokens produced within --time-limit {args.time_limit:g} s")
+        else:
+                rec.update(
+                wall_s=got["wall_s"], output_tokens=got["tokens"], tokens_per_s=got["tokens"] / got["wall_s"],
+                ttft_p50_s=percentile(got["ttft"], 50), ttft_p99_s=percentile(got["ttft"], 99),
+                itl_p50_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 50),
+                itl_p99_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 99),
+                itl_mean_ms=None if not got["itl"] else 1e3 * statistics.fmean(got["itl"]),
+            )
     except Exception as exc:  # noqa: BLE001  (an OOM or a failure is a result of its cell, the others still run)
         rec.update(bc.failure(exc))
         if bc.is_fatal_cuda_error(exc):
@@ -288,8 +322,10 @@ def parse_args(argv=None):
     p.add_argument("--cb-max-batch-tokens", type=int, default=None, help="default: Transformers' (8192)")
     p.add_argument("--cb-memory", type=float, default=None, help="max_memory_percent (default: Transformers')")
     p.add_argument("--cb-num-blocks", type=int, default=None)
-    p.add_argument("--cb-time-limit", type=float, default=None,
-                   help="stop waiting for a cb mode's requests after this many seconds (status time-limit)")
+    p.add_argument("--time-limit", "--cb-time-limit", type=float, default=None,
+                   help="end each mode after this many seconds (status time-limit: the requests finished and the "
+                        "tokens produced by then, unfinished requests' included); a generate() batch stops at its "
+                        "next step past the limit, a prefill in progress runs to its end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
     p.add_argument("--device", default="cuda")
@@ -323,14 +359,15 @@ def main(argv=None) -> int:
         bc.write_json(args.out, name, payload)
     rows = []
     for r in payload["results"]:
-        ok = r["status"] == "ok"
-        rows.append([r["mode"], bc.fmt(r.get("tokens_per_s") if ok else None, ".1f"),
+        ok, cut = r["status"] == "ok", r["status"] == "time-limit"
+        rows.append([r["mode"], bc.fmt(r.get("tokens_per_s") if ok or cut else None, ".1f"),
                      bc.fmt(r.get("ttft_p50_s") if ok else None), bc.fmt(r.get("ttft_p99_s") if ok else None),
                      bc.fmt(r.get("itl_p50_ms") if ok else None, ".1f"),
                      bc.fmt(r.get("itl_p99_ms") if ok else None, ".1f"),
                      bc.fmt(r.get("peak_memory_mib"), ".0f"),
                      f"{r['graphed_steps']}/{r['steps']} ({r['graphed_mixed_steps']} mixed)" if "steps" in r else "",
-                     "" if ok else r["status"].upper()])
+                     "" if ok else f"TIME-LIMIT ({r['finished_requests']}/{args.requests} finished)" if cut
+                     else r["status"].upper()])
     print()
     arriving = f"arriving at {args.request_rate}/s" if args.request_rate else "at once"
     bc.print_table(["mode", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "peak MiB",

@@ -33,11 +33,13 @@
 #                                              # Transformers' own on sdpa at 256 within 50 s, then serving-mixed512
 #                                              # (the A/B at 256 requests in steps of at most 512 tokens, 60 s each)
 #   bash scripts/dev/gpu_round.sh serving-arrivals # the same A/B with 256 requests arriving at ARRIVAL_RATE per
-#                                              # second (8): steps of a few prefill tokens beside many decodes
+#                                              # second (8): steps of a few prefill tokens beside many decodes,
+#                                              # each mode within ARRIVAL_LIMIT s (180)
 #   bash scripts/dev/gpu_round.sh serving-sparse # DeepSeek-V3.2's attention with its indexer, 64 requests of 4k-32k
 #                                              # tokens: continuous batching against generate() on batches of 8
-#                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each bounded;
-#                                              # SPARSE="REQUESTS MIN MAX NEW BOUND" sets the load and each bound
+#                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each within a
+#                                              # time limit; SPARSE="REQUESTS MIN MAX NEW LIMIT" sets the load and
+#                                              # the limit (64 4096 32768 256 120)
 #   bash scripts/dev/gpu_round.sh sparse       # DeepSeek-V3.2's attention with its indexer: the eager-mode grid,
 #                                              # batch 1/8/32 x 8k-128k, then 160k at batch 32
 #   bash scripts/dev/gpu_round.sh fp8          # the FP8 latent cache against bf16 (bench_fp8_cache.py); FP8 weights
@@ -210,7 +212,7 @@ mode_serving_cb16() {
 mode_serving_cb256() {
   local limit=${CB_LIMIT:-170}
   run $((limit + 220)) python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D" \
-    --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs cb-sdpa --cb-time-limit "$limit" \
+    --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs cb-sdpa --time-limit "$limit" \
     --name serving_cb_deepseek-v2-lite_256.json
   run 55 python3 scripts/bench_decode.py --graphs --batch 64 --context 4096 --attn flashinfer_mla --steps 10 \
     --time-limit 40 --out "$D" --name decode_graphs_b64_4k.json
@@ -220,7 +222,7 @@ mode_serving_cb256() {
 mode_serving_cb256_v3() {
   local limit=${CB_LIMIT:-100}
   run $((limit + 150)) python3 scripts/bench_serving.py --model deepseek-v3-attn --no-progress --out "$D" \
-    --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs cb-sdpa --cb-time-limit "$limit" \
+    --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs cb-sdpa --time-limit "$limit" \
     --name serving_cb_deepseek-v3-attn_256.json
   show 40
 }
@@ -231,13 +233,13 @@ mode_serving_mixed() {
   run 100 python3 scripts/bench_serving.py --model deepseek-v2-lite --requests 16 --no-progress --out "$D" \
     --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs --name serving_cb_deepseek-v2-lite_16.json
   run 150 python3 scripts/bench_serving.py --model deepseek-v2-lite --no-progress --out "$D" --modes cb-sdpa \
-    --cb-time-limit 50 --name serving_cb_deepseek-v2-lite_256_sdpa.json
+    --time-limit 50 --name serving_cb_deepseek-v2-lite_256_sdpa.json
   mode_serving_mixed512
 }
 
 mode_serving_mixed512() {
   run 300 python3 scripts/bench_serving.py --model deepseek-v2-lite --cb-max-batch-tokens 512 --no-progress \
-    --out "$D" --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs --cb-time-limit 60 \
+    --out "$D" --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs --time-limit 60 \
     --name serving_cb_deepseek-v2-lite_256_tokens512.json
   show 40
 }
@@ -245,8 +247,10 @@ mode_serving_mixed512() {
 # Mixed-step graphs where requests arrive over time (a Poisson process of ARRIVAL_RATE per second, 8 by default):
 # DeepSeek-V2-Lite, 256 requests, every step its graphs take against all-decode steps only.
 mode_serving_arrivals() {
-  run 420 python3 scripts/bench_serving.py --model deepseek-v2-lite --request-rate "${ARRIVAL_RATE:-8}" \
-    --no-progress --out "$D" --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs --cb-time-limit 180 \
+  run $((2 * ${ARRIVAL_LIMIT:-180} + 60)) python3 scripts/bench_serving.py --model deepseek-v2-lite \
+    --request-rate "${ARRIVAL_RATE:-8}" \
+    --no-progress --out "$D" --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs \
+    --time-limit "${ARRIVAL_LIMIT:-180}" \
     --name serving_cb_deepseek-v2-lite_256_arrivals.json
   show 40
 }
@@ -260,11 +264,14 @@ mode_serving_v3() {
 # One process per mode (a mode that runs out of memory or past its bound leaves the others' figures).
 mode_serving_sparse() {
   local m load
-  read -r -a load <<< "${SPARSE:-64 4096 32768 256 170}"  # requests, shortest and longest prompt, new tokens, bound
+  # requests, shortest and longest prompt, new tokens, each mode's time limit (the requests finished and the tokens
+  # produced by then); each process is bounded at the limit plus 70 s (building the model, a prefill in flight)
+  read -r -a load <<< "${SPARSE:-64 4096 32768 256 120}"
   for m in cb-flashinfer_mla generate-flashinfer_mla generate-sdpa; do
-    run "${load[4]}" python3 scripts/bench_serving.py --model deepseek-v32-attn --requests "${load[0]}" \
+    run $((load[4] + 70)) python3 scripts/bench_serving.py --model deepseek-v32-attn --requests "${load[0]}" \
       --prompt-min "${load[1]}" --prompt-max "${load[2]}" --new "${load[3]}" --static-batch 8 --prefill-chunk 256 \
-      --cb-max-batch-tokens 4096 --no-progress --out "$D" --modes "$m" --name "serving_v32_$m.json"
+      --cb-max-batch-tokens 4096 --time-limit "${load[4]}" --no-progress --out "$D" --modes "$m" \
+      --name "serving_v32_$m.json"
   done
   show 40
 }
