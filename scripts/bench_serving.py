@@ -161,6 +161,8 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
                     # (reported as "time-limit": the requests finished by then, and every token produced by then,
                     # those of the requests still running included)
                     tokens += produced_by_running(manager, pending)
+                    for rid in pending:  # (else the manager's stop would wait for them to finish)
+                        manager.cancel_request(rid)
                     break
                 while len(ids) < len(prompts) and arrivals[len(ids)] <= now:  # (the requests due by now)
                     rid = manager.add_request(prompts[len(ids)], max_new_tokens=args.new, record_timestamps=True)
@@ -322,7 +324,7 @@ def parse_args(argv=None):
     p.add_argument("--cb-max-batch-tokens", type=int, default=None, help="default: Transformers' (8192)")
     p.add_argument("--cb-memory", type=float, default=None, help="max_memory_percent (default: Transformers')")
     p.add_argument("--cb-num-blocks", type=int, default=None)
-    p.add_argument("--time-limit", "--cb-time-limit", type=float, default=None,
+    p.add_argument("--time-limit", type=float, default=None,
                    help="end each mode after this many seconds (status time-limit: the requests finished and the "
                         "tokens produced by then, unfinished requests' included); a generate() batch stops at its "
                         "next step past the limit, a prefill in progress runs to its end")

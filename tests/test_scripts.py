@@ -84,6 +84,27 @@ def test_serving_with_requests_arriving_over_time_on_cpu(tmp_path):
         bench_serving.parse_args(["--request-rate", "5", "--modes", "generate-sdpa"])
 
 
+def test_serving_within_a_time_limit_counts_what_finished_and_every_token_produced_on_cpu(tmp_path):
+    """``bench_serving.py --time-limit``: a load that cannot finish in time ends each mode at the limit with status
+    time-limit, the requests finished by then, and the tokens produced by then: under continuous batching those of
+    the requests still running too (more than the finished ones hold), in generate() whole batches' and the one
+    stopped at its first step past the limit."""
+    import bench_serving
+
+    new, batch = 1000, 4  # (more than either mode generates in 10 s on a CPU; the manager takes seconds to start)
+    args = ["--model", "tiny", "--requests", "32", "--prompt-min", "3", "--prompt-max", "9", "--new", str(new),
+            "--static-batch", str(batch), "--time-limit", "10", "--no-progress", "--modes", "cb-flashinfer_mla",
+            "generate-flashinfer_mla"]
+    assert bench_serving.main(args + CPU + ["--out", str(tmp_path)]) == 0
+    cb, static = json.loads((tmp_path / "serving_tiny.json").read_text())["results"]
+    for r in (cb, static):
+        assert r["status"] == "time-limit" and r["finished_requests"] < 32, r
+        assert r["tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"]) and "ttft_p50_s" not in r, r
+    assert cb["output_tokens"] > cb["finished_requests"] * new, cb
+    assert static["finished_requests"] % batch == 0 and static["output_tokens"] % batch == 0, static
+    assert static["output_tokens"] >= static["finished_requests"] * new, static
+
+
 def test_parallel_gpu_suite_reports_every_collected_test_and_counts_a_cut_run_as_missing(tmp_path):
     """``scripts/dev/gpu_suite_parallel.py`` on the CPU, where every GPU test skips: all collected tests are reported
     (exit 0); with workers stopped before they start, every test is missing and the run fails (exit 1)."""
