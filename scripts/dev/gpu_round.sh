@@ -35,6 +35,9 @@
 #   bash scripts/dev/gpu_round.sh serving-arrivals # the same A/B with 256 requests arriving at ARRIVAL_RATE per
 #                                              # second (8): steps of a few prefill tokens beside many decodes,
 #                                              # each mode within ARRIVAL_LIMIT s (180)
+#   bash scripts/dev/gpu_round.sh serving-vs-sdpa # 256 requests at once, flashinfer_mla against Transformers' own on
+#                                              # sdpa within VS_LIMIT s (50): requests finished and tokens produced;
+#                                              # VS_MODELS="deepseek-v2-lite deepseek-v3-attn" runs both models
 #   bash scripts/dev/gpu_round.sh serving-sparse # DeepSeek-V3.2's attention with its indexer, 64 requests of 4k-32k
 #                                              # tokens: continuous batching against generate() on batches of 8
 #                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each within a
@@ -87,7 +90,7 @@ devkit() {
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
 MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb256-v3"
-MODES="$MODES serving-mixed serving-mixed512 serving-arrivals"
+MODES="$MODES serving-mixed serving-mixed512 serving-arrivals serving-vs-sdpa"
 MODES="$MODES serving-v3 serving-sparse sparse fp8 tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
@@ -242,6 +245,18 @@ mode_serving_mixed512() {
     --out "$D" --modes cb-flashinfer_mla cb-flashinfer_mla-decode-graphs --time-limit 60 \
     --name serving_cb_deepseek-v2-lite_256_tokens512.json
   show 40
+}
+
+# 256 requests at once within one time limit (VS_LIMIT seconds, 50): flashinfer_mla (every step its graphs take)
+# against Transformers' own on sdpa, the requests finished and the tokens produced by then, in one process per model
+# (VS_MODELS, DeepSeek-V2-Lite by default).
+mode_serving_vs_sdpa() {
+  local m limit=${VS_LIMIT:-50}
+  for m in ${VS_MODELS:-deepseek-v2-lite}; do
+    run $((2 * limit + 90)) python3 scripts/bench_serving.py --model "$m" --no-progress --out "$D" \
+      --modes cb-flashinfer_mla cb-sdpa --time-limit "$limit" --name "serving_cb_${m}_256_vs_sdpa.json"
+  done
+  show 30
 }
 
 # Mixed-step graphs where requests arrive over time (a Poisson process of ARRIVAL_RATE per second, 8 by default):
