@@ -3,7 +3,8 @@
 # device call of at most 10 minutes (each command is bounded by `timeout`; a mode's bound is the sum of its
 # commands'). Name several modes to run them one after the other in one call. Run it from the repository root.
 #
-#   bash scripts/dev/gpu_round.sh suite host   # the whole tests/gpu in six processes (gpu_suite_parallel.py), then
+#   bash scripts/dev/gpu_round.sh suite host   # the whole tests/gpu in SUITE_WORKERS processes (6; each stopped at
+#                                              # SUITE_TIMEOUT s, 480: gpu_suite_parallel.py), then
 #                                              # host time per step, layer and attention call (bench_host.py, V3
 #                                              # shape, batch 32, 4k), twice; AB=DIR alternates it with the package
 #                                              # in DIR/hf_flashinfer_mla (another revision: git archive REV
@@ -125,7 +126,8 @@ show() { echo "== $MODE"; grep -v "^  \|Loading\|[Ww]arn" "$D/$MODE.log" | tail 
 mode_suite() {
   local durations
   durations=$(ls "$ROOT"/benchmarks/gpu_suite_durations.json 2>/dev/null)
-  run 500 python3 scripts/dev/gpu_suite_parallel.py --workers 6 --timeout 480 \
+  run $((${SUITE_TIMEOUT:-480} + 20)) python3 scripts/dev/gpu_suite_parallel.py --workers "${SUITE_WORKERS:-6}" \
+    --timeout "${SUITE_TIMEOUT:-480}" \
     ${durations:+--durations "$durations"} --out "$D"
   show 12
 }
