@@ -232,12 +232,15 @@ def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
 def test_sparse_model_under_continuous_batching_on_kernel_against_reference(monkeypatch):
     """A DeepSeek-V3.2-shaped model (its attention and indexer dims, ``index_topk`` 48 so that these prompts drop
     rows) served by ``generate_batch``: decode on the kernel over each request's selected rows (pages of one row),
-    against the same loop on the reference backend: the first 4 tokens of every request but one. Whole sequences are
-    printed, not bounded: at this shape (128 heads, hidden 7168, random weights) bf16 kernels agree with the reference
-    on ~0.92 of next tokens (tests/gpu/test_gpu_sparse.py), so 24 greedy tokens part at a near-tie for most requests
-    (1 of 8 whole, 8 of 8 on 4 tokens, on an H100). Control: an indexer keeping every row (dense attention) changes
-    the first tokens, so the comparison sees the selection. (A selection inconsistent with the step's planned lengths
-    is not a control here: the kernel would read past it. tests/test_continuous_batching_sparse.py has that one.)"""
+    against the same loop on the reference backend, compared on each request's first 4 tokens. At this shape (128
+    heads, hidden 7168, random weights) bf16 kernels agree with the reference on ~0.92 of next tokens
+    (tests/gpu/test_gpu_sparse.py), so greedy sequences part at near-ties, and how many agree on 4 tokens depends on the
+    card (8 of 8 on an H100, 6 on an H200). The bound is a yardstick of the same run: the kernel against the reference
+    with every row kept in both (no selection: the kernel's own numerics at this shape), less 2 requests (about 1.5
+    standard deviations of a count of 8 at that rate). Control: the kernel keeping every row against the selecting
+    reference agrees on fewer requests than the selecting kernel does, so the comparison sees the selection. (A
+    selection inconsistent with the step's planned lengths is not a control here: the kernel would read past it.
+    tests/test_continuous_batching_sparse.py has that one.)"""
     from test_gpu_sparse import _v32_model
 
     backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
@@ -265,9 +268,11 @@ def test_sparse_model_under_continuous_batching_on_kernel_against_reference(monk
     first = sum(a[:4] == b[:4] for a, b in zip(ours, reference))
     for indexer in (layer.self_attn.indexer for layer in model.model.layers):
         indexer.index_topk = 10**6
-    dense = run(backend)
+    dense, dense_reference = run(backend), run("reference")
     dense_first = sum(a[:4] == b[:4] for a, b in zip(dense, reference))
+    yardstick = sum(a[:4] == b[:4] for a, b in zip(dense, dense_reference))
     print(f"sparse {backend}: {same}/{len(prompts)} requests identical to the reference backend, {first} on 4 tokens; "
-          f"control (every row kept): {dense_first} on 4 tokens")
-    assert first >= len(prompts) - 1
+          f"yardstick (every row kept in both): {yardstick} on 4 tokens; control (every row kept in the kernel only): "
+          f"{dense_first} on 4 tokens")
+    assert first >= yardstick - 2
     assert dense_first < first
