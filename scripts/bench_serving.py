@@ -116,12 +116,12 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, 
         ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step = supported, pays, prepare
 
 
-def produced_by_running(manager, running) -> int:
-    """The tokens the requests still running have generated so far (read from the scheduler's request states: a
-    time-limited mode counts them beside the finished requests' tokens)."""
+def produced_by_running(manager, running) -> list[tuple[str, int, list[float]]]:
+    """The requests still running that have generated tokens so far: each one's id, tokens and their times (read from
+    the scheduler's request states: a time-limited mode counts them beside the finished requests)."""
     processor = manager.batch_processor
     if processor is None:
-        return 0
+        return []
     for _ in range(5):  # (the generation thread may change the dict while it is copied)
         try:
             states = dict(processor.scheduler.active_requests)
@@ -129,8 +129,9 @@ def produced_by_running(manager, running) -> int:
         except RuntimeError:
             continue
     else:
-        return 0
-    return sum(len(states[r].generated_tokens) for r in running if r in states)
+        return []
+    return [(r, len(states[r].generated_tokens), list(states[r].timestamps or [])) for r in running
+            if r in states and states[r].generated_tokens]
 
 
 def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
@@ -160,7 +161,10 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
                 if args.time_limit and now > args.time_limit:
                     # (reported as "time-limit": the requests finished by then, and every token produced by then,
                     # those of the requests still running included)
-                    tokens += produced_by_running(manager, pending)
+                    for rid, produced, stamps in produced_by_running(manager, pending):
+                        tokens += produced
+                        ttft += [stamps[0] - arrived[rid]] if stamps else []
+                        itl += [b - a for a, b in zip(stamps, stamps[1:])]
                     for rid in pending:  # (else the manager's stop would wait for them to finish)
                         manager.cancel_request(rid)
                     break
@@ -279,22 +283,21 @@ def run(mode, model, prompts, args, device) -> dict:
         else:
             got = run_static(model, attn, prompts, args, device)
             rec["finished_requests"] = got["finished_requests"]
+        rec.update(
+            wall_s=got["wall_s"], output_tokens=got["tokens"], tokens_per_s=got["tokens"] / got["wall_s"],
+            ttft_p50_s=percentile(got["ttft"], 50), ttft_p99_s=percentile(got["ttft"], 99),
+            itl_p50_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 50),
+            itl_p99_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 99),
+            itl_mean_ms=None if not got["itl"] else 1e3 * statistics.fmean(got["itl"]),
+        )
         if got["cut"]:
-            # Not every request finished within --time-limit: what finished, and the tokens produced by then (the
-            # unfinished requests' too) over the limit. Latencies over the finished requests alone would flatter
-            # the mode that finished fewer, so none are reported.
-            rec.update(status="time-limit", wall_s=got["wall_s"], output_tokens=got["tokens"],
-                       tokens_per_s=got["tokens"] / got["wall_s"],
-                       message=f"{rec['finished_requests']} of {len(prompts)} requests finished and "
-                               f"{got['tokens']} tokens produced within --time-limit {args.time_limit:g} s")
-        else:
-                rec.update(
-                wall_s=got["wall_s"], output_tokens=got["tokens"], tokens_per_s=got["tokens"] / got["wall_s"],
-                ttft_p50_s=percentile(got["ttft"], 50), ttft_p99_s=percentile(got["ttft"], 99),
-                itl_p50_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 50),
-                itl_p99_ms=None if not got["itl"] else 1e3 * percentile(got["itl"], 99),
-                itl_mean_ms=None if not got["itl"] else 1e3 * statistics.fmean(got["itl"]),
-            )
+            # Not every request finished within --time-limit: what finished, the tokens produced by then (the
+            # unfinished requests' too) over the wall time, and the latencies of every token produced: TTFT over the
+            # requests that had a first token by then (their count beside it; the others waited longer).
+            rec.update(status="time-limit", requests_with_tokens=len(got["ttft"]),
+                       message=f"{rec['finished_requests']} of {len(prompts)} requests finished, "
+                               f"{len(got['ttft'])} had tokens, and {got['tokens']} tokens were produced within "
+                               f"--time-limit {args.time_limit:g} s")
     except Exception as exc:  # noqa: BLE001  (an OOM or a failure is a result of its cell, the others still run)
         rec.update(bc.failure(exc))
         if bc.is_fatal_cuda_error(exc):
@@ -361,15 +364,15 @@ def main(argv=None) -> int:
         bc.write_json(args.out, name, payload)
     rows = []
     for r in payload["results"]:
-        ok, cut = r["status"] == "ok", r["status"] == "time-limit"
-        rows.append([r["mode"], bc.fmt(r.get("tokens_per_s") if ok or cut else None, ".1f"),
-                     bc.fmt(r.get("ttft_p50_s") if ok else None), bc.fmt(r.get("ttft_p99_s") if ok else None),
-                     bc.fmt(r.get("itl_p50_ms") if ok else None, ".1f"),
-                     bc.fmt(r.get("itl_p99_ms") if ok else None, ".1f"),
+        shown = r["status"] in ("ok", "time-limit")
+        rows.append([r["mode"], *(bc.fmt(r.get(k) if shown else None, f) for k, f in (
+                         ("tokens_per_s", ".1f"), ("ttft_p50_s", ".2f"), ("ttft_p99_s", ".2f"), ("itl_p50_ms", ".1f"),
+                         ("itl_p99_ms", ".1f"))),
                      bc.fmt(r.get("peak_memory_mib"), ".0f"),
                      f"{r['graphed_steps']}/{r['steps']} ({r['graphed_mixed_steps']} mixed)" if "steps" in r else "",
-                     "" if ok else f"TIME-LIMIT ({r['finished_requests']}/{args.requests} finished)" if cut
-                     else r["status"].upper()])
+                     "" if r["status"] == "ok" else
+                     f"TIME-LIMIT ({r['finished_requests']}/{args.requests} finished, {r['requests_with_tokens']} "
+                     f"with tokens)" if r["status"] == "time-limit" else r["status"].upper()])
     print()
     arriving = f"arriving at {args.request_rate}/s" if args.request_rate else "at once"
     bc.print_table(["mode", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "peak MiB",

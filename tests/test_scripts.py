@@ -86,9 +86,9 @@ def test_serving_with_requests_arriving_over_time_on_cpu(tmp_path):
 
 def test_serving_within_a_time_limit_counts_what_finished_and_every_token_produced_on_cpu(tmp_path):
     """``bench_serving.py --time-limit``: a load that cannot finish in time ends each mode at the limit with status
-    time-limit, the requests finished by then, and the tokens produced by then: under continuous batching those of
-    the requests still running too (more than the finished ones hold), in generate() whole batches' and the one
-    stopped at its first step past the limit."""
+    time-limit, the requests finished by then, and the tokens produced by then, with their latencies: under
+    continuous batching those of the requests still running too (more than the finished ones hold), in generate()
+    whole batches' and the one stopped at its first step past the limit."""
     import bench_serving
 
     new, batch = 1000, 4  # (more than either mode generates in 10 s on a CPU; the manager takes seconds to start)
@@ -99,8 +99,11 @@ def test_serving_within_a_time_limit_counts_what_finished_and_every_token_produc
     cb, static = json.loads((tmp_path / "serving_tiny.json").read_text())["results"]
     for r in (cb, static):
         assert r["status"] == "time-limit" and r["finished_requests"] < 32, r
-        assert r["tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"]) and "ttft_p50_s" not in r, r
+        assert r["requests_with_tokens"] >= r["finished_requests"], r
+        assert r["tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"]), r
+        assert r["ttft_p50_s"] > 0 and r["itl_p50_ms"] > 0, r  # (over every request that had tokens by the limit)
     assert cb["output_tokens"] > cb["finished_requests"] * new, cb
+    assert cb["requests_with_tokens"] > cb["finished_requests"], cb
     assert static["finished_requests"] % batch == 0 and static["output_tokens"] % batch == 0, static
     assert static["output_tokens"] >= static["finished_requests"] * new, static
 
