@@ -29,7 +29,9 @@ off). Modes, in one run:
 Reported per mode: total output tokens/s (all new tokens / wall time from t0), time to first token and inter-token
 latency (p50, p99; a static batch's requests wait for the batches before them), peak GPU memory; for the cb modes
 also the attention, CUDA graphs (varlen, decode) and asynchronous batching the manager resolved, and for
-flashinfer_mla its steps: all, in graphs, and in graphs with prefill chunks.
+flashinfer_mla its steps: all, in graphs, and in graphs with prefill chunks. With `--time-limit S` a mode that has not
+finished by S seconds stops there (status time-limit): the requests finished, the tokens produced by then (unfinished
+requests' included) over its wall time, and the latencies of those tokens (TTFT over the requests that had one).
 
     python scripts/bench_serving.py --model deepseek-v2-lite --out bench_out
     python scripts/bench_serving.py --model deepseek-v3-attn --out bench_out
