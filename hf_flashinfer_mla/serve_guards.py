@@ -515,9 +515,11 @@ def _install_worker_restart_525(runner_class) -> None:
             if death is not None:  # this is the outputs thread of the worker that died: it replaces it
                 replace_worker(self, death, send_results)
             for i, error in rerun:
-                inputs, generation_kwargs, stream = self._flashinfer_mla_requests[i]
                 with self.lock:
-                    sent = list(self._flashinfer_mla_streamed.get(i, ()))
+                    kept, sent = self._flashinfer_mla_requests.get(i), list(self._flashinfer_mla_streamed.get(i, ()))
+                if kept is None:  # (cancelled while the worker was replaced: it ends with no answer)
+                    continue
+                inputs, generation_kwargs, stream = kept
                 logger.warning(f"Request {i} failed under continuous batching ({str(error)[:200]}); it runs again "
                                f"alone, through generate(), after the {len(sent)} tokens it streamed")
                 left = generation_kwargs.get("max_new_tokens")
@@ -616,12 +618,16 @@ class _Relayed:
 
 class _RelayStreamer:
     """generate()'s streamer for a request run again alone: each new token goes to the request's own result handler
-    (on its event loop) as continuous batching's outputs did, after the tokens it already had (`sent`)."""
+    (on its event loop) as continuous batching's outputs did, after the tokens it already had (`sent`). A cancelled
+    request (`cancelled` set) stops generate() at its next token, as Transformers' own streamer does."""
 
-    def __init__(self, request_id, sent: list[int], deliver):
+    def __init__(self, request_id, sent: list[int], deliver, cancelled: threading.Event):
         self.request_id, self.tokens, self.deliver, self.prompt_seen = request_id, list(sent), deliver, False
+        self.cancelled = cancelled
 
     def put(self, value) -> None:
+        if self.cancelled.is_set():
+            raise RuntimeError(f"request {self.request_id} was cancelled")
         if not self.prompt_seen:  # (generate() puts the prompt first)
             self.prompt_seen = True
             return
@@ -632,7 +638,8 @@ class _RelayStreamer:
         pass  # (the run's end is delivered with its whole answer, or its error)
 
 
-def _run_alone_524(model, inputs: dict, sent: list[int], gen_config, request_id, deliver, stream: bool) -> None:
+def _run_alone_524(model, inputs: dict, sent: list[int], gen_config, request_id, deliver, stream: bool,
+                   cancelled: threading.Event) -> None:
     """Runs a request again, alone, through generate() (on the caller's inference thread), and delivers its answer:
     each token as it comes when streamed, then the end (its whole answer, or its own error)."""
     import copy
@@ -645,7 +652,7 @@ def _run_alone_524(model, inputs: dict, sent: list[int], gen_config, request_id,
         if config.max_new_tokens is None or config.max_new_tokens > 0:
             batched = {name: value.to(model.device) if hasattr(value, "to") else value
                        for name, value in _batched(inputs, sent).items()}
-            relay = _RelayStreamer(request_id, sent, deliver) if stream else None
+            relay = _RelayStreamer(request_id, sent, deliver, cancelled) if stream else None
             out = model.generate(**batched, generation_config=config, streamer=relay)
             tokens += out[0, batched["input_ids"].shape[-1]:].tolist()
         deliver(_Relayed(request_id, tokens, finished=True))
@@ -664,14 +671,28 @@ def _install_worker_restart_524(manager_class) -> None:
     error. `generate_streaming` and `generate_non_streaming` both register that handler with the worker
     (`register_result_handler`), which is wrapped on each worker: the handler of a request they keep
     (`_flashinfer_mla_kept`: request id -> what running it alone takes, from the call until the registration) holds
-    what it keeps from then on, and it goes with the handler."""
+    what it keeps from then on, and it goes with the handler. The worker's `cancel_request` (a client gone) also
+    stops a request running again alone."""
     original_init_cb, original_is_alive = manager_class.init_cb, manager_class.is_alive
 
     def kept_by(self) -> dict:
         return vars(self).setdefault("_flashinfer_mla_kept", {})
 
     def run_alone_on_failure(self, cb) -> None:
-        register = type(cb).register_result_handler
+        register, cancel = type(cb).register_result_handler, type(cb).cancel_request
+        alone: dict = {}  # request id -> its cancellation, while it runs again alone
+
+        def cancel_request(request_id):  # (a client gone: CBStreamer.cancel)
+            cancelled = alone.get(request_id)
+            if cancelled is not None:
+                cancelled.set()
+            return cancel(cb, request_id)
+
+        def run_alone(model, inputs, sent, gen_config, request_id, deliver, stream, cancelled):
+            try:
+                _run_alone_524(model, inputs, sent, gen_config, request_id, deliver, stream, cancelled)
+            finally:
+                alone.pop(request_id, None)
 
         def register_result_handler(request_id, callback):
             kept = kept_by(self).pop(request_id, None)
@@ -692,12 +713,13 @@ def _install_worker_restart_524(manager_class) -> None:
                                f"it runs again alone, through generate(), after the {len(sent)} tokens it streamed")
                 if getattr(self, "_flashinfer_mla_alone", None) is None:
                     self._flashinfer_mla_alone = _serving_utils.GenerateManager()
-                self._flashinfer_mla_alone.submit(_run_alone_524, model, inputs, list(sent), gen_config, request_id,
-                                                  deliver, stream)
+                cancelled = alone[request_id] = threading.Event()
+                self._flashinfer_mla_alone.submit(run_alone, model, inputs, list(sent), gen_config, request_id,
+                                                  deliver, stream, cancelled)
 
             return register(cb, request_id, on_output)
 
-        cb.register_result_handler = register_result_handler
+        cb.register_result_handler, cb.cancel_request = register_result_handler, cancel_request
 
     # Kept from the call to the registration, which takes it (a request that fails before registering leaves
     # nothing behind): generate_streaming registers before it returns, generate_non_streaming once awaited.

@@ -487,14 +487,56 @@ def test_what_a_request_keeps_to_run_again_goes_when_it_ends_or_is_cancelled():
     assert runner._flashinfer_mla_requests == {}
 
 
+def test_a_request_cancelled_while_the_worker_is_replaced_leaves_the_others_to_run_again(monkeypatch):
+    """Transformers 5.25+: the requests of a failed step run again after their worker is replaced; one cancelled
+    meanwhile (a client gone) has nothing kept to run again. It is skipped, and the others still run again: reading
+    it raised in the outputs thread, and the requests after it were never answered."""
+    if not hasattr(_serving_utils(), "CBGenerateRunner"):
+        pytest.skip("Transformers 5.24's manager runs requests again on its own path (the test below)")
+    import threading
+    from types import SimpleNamespace
+
+    from hf_flashinfer_mla import serve_guards
+
+    def worker():
+        return SimpleNamespace(background_thread_status=SimpleNamespace(fatal_error=None), stop=lambda **_: None)
+
+    class Runner:  # (CBGenerateRunner's surface that the wrapper reads)
+        def __init__(self, model, processor, send_results, cb_config, context_length=None):
+            self.lock, self.send_results, self.manager = threading.Lock(), send_results, worker()
+
+        def generate(self, request_id, inputs, generation_kwargs, stream):
+            pass
+
+        def cancel(self, request_id):
+            pass
+
+        def _start_continuous_batching(self, model, cb_config, context_length):
+            self.cancel(7)  # (the client of request 7 goes while the new worker starts)
+            return worker()
+
+    serve_guards._install_worker_restart_525(Runner)
+    ran_again = []
+    monkeypatch.setattr(_serving_utils().GenerateRunner, "generate",
+                        lambda self, request_id, inputs, kwargs, stream: ran_again.append(request_id))
+    answered = []
+    runner = Runner(None, None, lambda *args: answered.append(args), None)
+    for request_id in (7, 8):
+        runner.generate(request_id, {"input_ids": [1, 2, 3]}, {"max_new_tokens": 4}, True)
+    failed = RuntimeError("the step failed")
+    runner.send_results([], [], [(7, failed), (8, failed), (None, _serving_utils().EngineDeadError("dead"))])
+    assert ran_again == [8] and 7 not in runner._flashinfer_mla_requests
+
+
 def test_a_request_that_continuous_batching_failed_runs_alone_after_the_tokens_it_sent_524():
     """Transformers 5.24's manager: a request whose continuous-batching output comes back failed runs again alone
     through generate(), from its prompt and the tokens its handler already had, and its handler gets the tokens as
-    continuous batching would have sent them; a non-streamed one runs again from its prompt. What was kept to run it
-    again goes with its registration, or with its error when it never registered."""
+    continuous batching would have sent them; a non-streamed one runs again from its prompt; a cancelled one stops.
+    What was kept to run it again goes with its registration, or with its error when it never registered."""
     if not hasattr(_serving_utils(), "GenerateManager"):
         pytest.skip("Transformers 5.25+ runs requests again through its runner (the test above)")
     import asyncio
+    import threading
     from types import SimpleNamespace
 
     import torch
@@ -504,10 +546,13 @@ def test_a_request_that_continuous_batching_failed_runs_alone_after_the_tokens_i
 
     class Worker:  # (the continuous batching manager's surface that the wrapper reads)
         def __init__(self):
-            self.handlers, self.background_thread_status = {}, SimpleNamespace(fatal_error=None)
+            self.handlers, self.background_thread_status, self.cancelled = {}, SimpleNamespace(fatal_error=None), []
 
         def register_result_handler(self, request_id, callback):
             self.handlers[request_id] = callback
+
+        def cancel_request(self, request_id):
+            self.cancelled.append(request_id)
 
     class Manager:  # (CBGenerateManager's)
         def __init__(self):
@@ -532,14 +577,16 @@ def test_a_request_that_continuous_batching_failed_runs_alone_after_the_tokens_i
             return await done
 
     class Model:
-        device, prompts = torch.device("cpu"), []
+        device, prompts, resume = torch.device("cpu"), [], threading.Event()
 
         def generate(self, input_ids, generation_config, streamer=None):
             self.prompts.append(input_ids.tolist())
             new = torch.tensor([[7, 8, 9, 10][: generation_config.max_new_tokens]])
             if streamer is not None:
                 streamer.put(input_ids)
-                for token in new[0]:
+                for i, token in enumerate(new[0]):
+                    if input_ids[0, 0] == 6 and i == 1:  # (the request cancelled after its first token)
+                        self.resume.wait(30)
                     streamer.put(token.reshape(1))
                 streamer.end()
             return torch.cat([input_ids, new], dim=1)
@@ -566,13 +613,23 @@ def test_a_request_that_continuous_batching_failed_runs_alone_after_the_tokens_i
         result = await asyncio.wait_for(answer, timeout=30)
         while not outputs[-1].is_finished():
             await asyncio.sleep(0.01)
-        return outputs, result
+        gone, _ = manager.generate_streaming(model, None, {"input_ids": [6]}, config, "r3")
+        manager._cb.handlers["r3"](output([], error="the step failed", finished=True))
+        while len(gone) < 1:  # (its first token, run alone)
+            await asyncio.sleep(0.01)
+        manager._cb.cancel_request("r3")
+        model.resume.set()
+        while not gone[-1].is_finished():
+            await asyncio.sleep(0.01)
+        return outputs, result, gone
 
-    outputs, result = asyncio.run(run())
+    outputs, result, gone = asyncio.run(run())
     assert [o.generated_tokens for o in outputs] == [[5], [5, 7], [5, 7, 8], [5, 7, 8, 9], [5, 7, 8, 9]]
     assert outputs[-1].error is None and outputs[-1].is_finished()
     assert result.error is None and result.generated_tokens == [7, 8, 9, 10]
-    assert sorted(model.prompts) == [[[1, 2, 3, 5]], [[4]]]
+    assert [o.generated_tokens for o in gone[:-1]] == [[7]] and "cancelled" in gone[-1].error
+    assert manager._cb.cancelled == ["r3"]
+    assert sorted(model.prompts) == [[[1, 2, 3, 5]], [[4]], [[6]]]
     assert manager._flashinfer_mla_kept == {}
 
 
