@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, StaticLa
 
 from . import capabilities
 from .errors import CacheLayoutError
-from .models import ATTN_NAME
+from .models import ATTN_NAME, PER_LAYER, global_value
 
 ROUND_TOKENS = 256  # capacity granularity: a multiple of every trtllm-gen page size (32, 64)
 FP8 = torch.float8_e4m3fn
@@ -371,20 +371,6 @@ def adopt_latent_layers(cache: DynamicCache, packed: bool | None = None, dtype: 
     return cache
 
 
-PER_LAYER = "per layer"
-
-
-def _global(config, name: str):
-    """`config`'s one value of `name`: None where it has none, `PER_LAYER` where its layers differ (dots3's
-    sliding-window layers have a latent width of their own)."""
-    from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
-
-    try:
-        return getattr(config, name, None)
-    except AmbiguousGlobalPerLayerAttributeError:
-        return PER_LAYER
-
-
 class MLALatentCache(DynamicCache):
     """`DynamicCache` whose full-attention layers are `MLALatentLayer`: pass as ``generate(..., cache=...)``.
 
@@ -433,7 +419,7 @@ class MLALatentCache(DynamicCache):
         config, name = self._config, getattr(self._config, "model_type", None)
         latent = key_states.dim() == 4 and key_states.shape[1] == 1
         if config is not None and latent:
-            dims = (_global(config, "kv_lora_rank"), _global(config, "qk_rope_head_dim"))
+            dims = (global_value(config, "kv_lora_rank"), global_value(config, "qk_rope_head_dim"))
             got = (key_states.shape[-1], value_states.shape[-1])
             problem = None
             if self.layer_class_to_replicate is None and layer_idx >= len(self.layers):

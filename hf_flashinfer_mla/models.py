@@ -77,6 +77,25 @@ _CHECKPOINT_TYPE_OF_TEXT_TYPE = {
 CHECKPOINT_MODEL_TYPES = (*(_CHECKPOINT_TYPE_OF_TEXT_TYPE.get(t, t) for t in SUPPORTED_MODEL_TYPES), "kimi_k25")
 
 
+PER_LAYER = "per layer"  # (`global_value`: a value the model's layers do not share)
+
+
+def global_value(config, name: str):
+    """`config`'s one value of `name`: None where it has none, `PER_LAYER` where its layers differ (dots3's
+    sliding-window layers have a latent width of their own, and Transformers refuses to read one value for all)."""
+    from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
+
+    try:
+        return getattr(config, name, None)
+    except AmbiguousGlobalPerLayerAttributeError:
+        return PER_LAYER
+
+
+def layer_config(config, layer: int):
+    """Layer `layer`'s config: its own where the model's layers differ (``per_layer_config``), else `config`."""
+    return config.per_layer_config[layer] if getattr(config, "is_heterogeneous", False) else config
+
+
 def checkpoint_model_type(model_type: str) -> str:
     """The name a checkpoint's config.json gives the model whose MLA text model has type `model_type`."""
     return _CHECKPOINT_TYPE_OF_TEXT_TYPE.get(model_type, model_type)

@@ -32,7 +32,15 @@ from .decode import decode_layer
 from .kernels import Layer, Refused, fa, graphs, ragged
 from .masks import selection_mask
 from .models import attention_with_sinks, original_expand_kv
-from .paged_cache import LatentAllocator, index_width, resolve_graphs, refuse_unservable, uses_latent
+from .paged_cache import (
+    SLIDING_ATTENTION,
+    LatentAllocator,
+    SlidingLatentAllocator,
+    index_width,
+    refuse_unservable,
+    resolve_graphs,
+    uses_latent,
+)
 from .plan import FAMILIES, Route, Routing
 from .rows import PageTable, Rows, to_device
 
@@ -103,12 +111,14 @@ class PagedStep(Routing):
     batch_size = batch  # (as `kernels/graphs.py` reads a step)
 
     @classmethod
-    def of_batch(cls, requests, tokens: int, page_rows: int = 0, capture: bool = False) -> PagedStep:
-        """From Transformers' scheduled requests, once `prepare_batch_tensors` has advanced their offsets; graphed
-        where it may be (`capture`) and a graph pays for it (`graph_pays`)."""
+    def of_batch(cls, requests, allocator: LatentAllocator, tokens: int, capture: bool = False) -> PagedStep:
+        """From Transformers' scheduled requests, once `prepare_batch_tensors` has advanced their offsets, over
+        `allocator`'s rows (a sliding-window layer sees its window only); graphed where it may be (`capture`) and a
+        graph pays for it (`graph_pays`)."""
         q = torch.tensor([fs.query_length for fs in requests], dtype=torch.long)
-        end = torch.tensor([fs.state.position_offset for fs in requests], dtype=torch.long)
-        return cls(q, end, tokens, page_rows, capture and graph_pays(q, end))
+        k = torch.tensor([allocator.get_seqlen_k(fs.state.position_offset - fs.query_length, fs.query_length)
+                          for fs in requests], dtype=torch.long)
+        return cls(q, k, tokens, page_rows(allocator), capture and graph_pays(q, k))
 
     @classmethod
     def from_kwargs(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int, page_rows: int) -> PagedStep:
@@ -169,7 +179,7 @@ def prepare_step(io) -> None:
     for allocator in io.cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
             capture = capturable and _graphs_still_hold(allocator)
-            allocator.step = step = PagedStep.of_batch(requests, tokens, page_rows(allocator), capture)
+            allocator.step = step = PagedStep.of_batch(requests, allocator, tokens, capture)
             if step.graphed:
                 with stream_context(io.compute_stream):
                     for _, slot in graphs.slots_for(step.batch, 1, None):
@@ -201,8 +211,10 @@ def _graphs_still_hold(allocator: LatentAllocator) -> bool:
 
 
 def page_rows(allocator: LatentAllocator) -> int:
-    """Rows per page of a cache storing the latent packed (trtllm-gen reads those; 0: not packed)."""
-    return allocator.tokens_per_page if allocator.row_width == allocator.rank + allocator.rope else 0
+    """Rows per page of a cache storing the latent packed (trtllm-gen reads those; 0: not packed, or a sliding-window
+    layer's rows, which its allocator gathers, `SlidingLatentAllocator`)."""
+    packed = allocator.row_width == allocator.rank + allocator.rope
+    return allocator.tokens_per_page if packed and not isinstance(allocator, SlidingLatentAllocator) else 0
 
 
 def _fits_one_graph(io, tokens: int) -> bool:
@@ -227,9 +239,7 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
     if step is None or (first and step.started and not step.graphed) or not step.matches(query.shape[2], cu_q):
         step = allocator.step = PagedStep.from_kwargs(cu_q, kwargs["cu_seq_lens_k"], query.shape[2],
                                                       page_rows(allocator))
-    read_index = kwargs["read_index"][allocator.index]
-    # A step with no cached past reads nothing back: its rows are the ones it writes, in the same order.
-    source = read_index if read_index.numel() else kwargs["write_index"][allocator.index]
+    source = allocator.source(kwargs["read_index"][allocator.index], kwargs["write_index"][allocator.index], kv_latent)
     if not step.started or (first and step.graphed):
         step.start(source)
     scale = scaling if scaling is not None else module.qk_head_dim**-0.5
@@ -266,7 +276,9 @@ def _prefill(allocator: LatentAllocator, step: PagedStep, decoded, module, query
     causally, on FlashInfer's ragged prefill (``kernels/ragged.py``: one launch per group of requests) where the
     step's decode backend is fa3 and it serves the head dims, else with Transformers' SDPA one request at a time
     (so the transient keys and values are one request's). A sparse layer's chunks attend their selected rows only,
-    and a layer with sinks runs the model's own eager attention: both one request at a time."""
+    a sliding-window layer's their window (its decodes see nothing else: `SlidingLatentAllocator`), and a layer
+    with sinks runs the model's own eager attention: all three one request at a time."""
+    window = getattr(allocator, "sliding_window", None)
     # (no decode: a layer that cannot absorb runs every request with query tokens here)
     pending = step.chunks if len(decoded) else (step.q_lens > 0).nonzero().flatten().tolist()
     if not pending:
@@ -275,7 +287,7 @@ def _prefill(allocator: LatentAllocator, step: PagedStep, decoded, module, query
     expand = original_expand_kv(module)
     key = (query.device, query.dtype, query.shape[1], query.shape[-1], module.v_head_dim, scale, requested,
            len(pending))
-    if indices is not None or sinks is not None:
+    if indices is not None or sinks is not None or window is not None:
         step.prefill_groups[key] = []
     if key not in step.prefill_groups:
         step.prefill_groups[key] = _prefill_groups(allocator, step, pending, module, query, scale, requested)
@@ -292,8 +304,11 @@ def _prefill(allocator: LatentAllocator, step: PagedStep, decoded, module, query
         rows = source[k0 : k0 + k]
         keys, values = expand(lat_rows.index_select(0, rows)[None, None], rot_rows.index_select(0, rows)[None, None])
         mask = None
-        if (q > 1 and k > q) or indices is not None or sinks is not None:  # query i sees rows up to k - q + i
-            mask = torch.arange(k, device=query.device) <= torch.arange(k - q, k, device=query.device)[:, None]
+        if (q > 1 and k > q) or indices is not None or sinks is not None or (window is not None and q > window):
+            last = torch.arange(k - q, k, device=query.device)[:, None]  # query i sees rows up to k - q + i
+            mask = torch.arange(k, device=query.device) <= last
+            if window is not None:  # ... and the window's last rows only
+                mask &= torch.arange(k, device=query.device) > last - window
             mask = mask[None, None]
         if indices is not None:  # (its selection, as positions among its own rows)
             picked = indices[:, q0 : q0 + q].long()
@@ -342,6 +357,8 @@ def graph_refusal(model, page_size: int) -> str | None:
     if index_width(config):
         return ("its sparse (DSA) layers' indexer selects each request's rows on the host every step, which a "
                 "replayed graph would not run")
+    if SLIDING_ATTENTION in (getattr(config, "layer_types", None) or ()):
+        return "its sliding-window layers gather each step's window into a new tensor, which a graph cannot replay"
     weight = next(layers[0].kv_b_proj.parameters())
     requested = capabilities.requested_backend(None, config)
     backend = capabilities.choose_backend(weight.device, model.dtype, config.kv_lora_rank, config.qk_rope_head_dim,

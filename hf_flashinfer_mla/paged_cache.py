@@ -31,12 +31,25 @@ import weakref
 
 import torch
 from transformers.generation.continuous_batching import cache as cb_cache
-from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, FullAttentionCacheAllocator
+from transformers.generation.continuous_batching.cache_allocators import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    FullAttentionCacheAllocator,
+    SlidingAttentionCacheAllocator,
+)
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 from transformers.utils import logging
 
 from .errors import UnsupportedModelError
 from .kernels import ragged
-from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES, checkpoint_model_type
+from .models import (
+    ATTN_NAME,
+    DENSE_MLA_MODEL_TYPES,
+    SPARSE_MLA_MODEL_TYPES,
+    checkpoint_model_type,
+    global_value,
+    layer_config,
+)
 
 INDEXED_ATTENTION = "indexed_attention"  # the layer type of a sparse (DSA) model's attention layers
 
@@ -48,7 +61,7 @@ _WEIGHTS_ATTR = "_flashinfer_mla_weights"  # on a latent manager: `weights_seen`
 
 def uses_latent(config) -> bool:
     """Whether Transformers' paged cache for `config` must hold the MLA latent (an MLA model on this package)."""
-    return getattr(config, "_attn_implementation", None) == ATTN_NAME and getattr(config, "kv_lora_rank", None)
+    return getattr(config, "_attn_implementation", None) == ATTN_NAME and global_value(config, "kv_lora_rank")
 
 
 def index_width(config) -> int:
@@ -60,19 +73,32 @@ def index_width(config) -> int:
 class LatentSizing:
     """`config` as Transformers' paged cache should size it: one "key-value head" of ``ceil((rank + rope + index) /
     2)`` values, so that its ``2 x heads x head_dim`` per token is the latent row (``rank + rope``, and a sparse
-    model's indexer key, rounded up to even), and its indexed (DSA) layers typed as full attention. Every other
-    attribute is the config's own."""
+    model's indexer key, rounded up to even), and its indexed (DSA) layers typed as full attention.
 
-    def __init__(self, config):
+    `layers`: one allocator's layers, whose rows these are (a DSA model's sliding-window layers, dots3's, have a
+    latent width of their own and no indexer). Without, the model's, as Transformers' memory sizing reads it: the
+    widest layer's. Every other attribute is the config's own; one its layers do not share reads as their largest
+    (an upper bound is what sizing needs, and Transformers refuses to give one value for all)."""
+
+    def __init__(self, config, layers=None):
         self._config = config
-        self.head_dim = -(-(config.kv_lora_rank + config.qk_rope_head_dim + index_width(config)) // 2)
-        self.num_key_value_heads = 1
         types = getattr(config, "layer_types", None)
+        layers = range(config.num_hidden_layers) if layers is None else layers
+        rank, rope = max(((c.kv_lora_rank, c.qk_rope_head_dim) for c in (layer_config(config, i) for i in layers)),
+                         key=sum)
+        sliding = types is not None and all(types[i] == SLIDING_ATTENTION for i in layers)
+        self.kv_lora_rank, self.qk_rope_head_dim = rank, rope
+        self.index_dim = 0 if sliding else index_width(config)
+        self.head_dim = -(-(rank + rope + self.index_dim) // 2)
+        self.num_key_value_heads = 1
         if types is not None:
             self.layer_types = [FULL_ATTENTION if t == INDEXED_ATTENTION else t for t in types]
 
     def __getattr__(self, name):
-        return getattr(self._config, name)
+        try:
+            return getattr(self._config, name)
+        except AmbiguousGlobalPerLayerAttributeError:
+            return max(getattr(layer_config(self._config, i), name) for i in range(self._config.num_hidden_layers))
 
 
 class LatentAllocator(FullAttentionCacheAllocator):
@@ -86,10 +112,11 @@ class LatentAllocator(FullAttentionCacheAllocator):
 
     def __init__(self, index, config, num_key_value_heads, cache_dtype, page_size, layer_indices,
                  allow_block_sharing):
+        config = LatentSizing(config._config, layer_indices)  # (this allocator's layers' rows)
         super().__init__(index=index, config=config, num_key_value_heads=num_key_value_heads, cache_dtype=cache_dtype,
                          page_size=page_size, layer_indices=layer_indices, allow_block_sharing=allow_block_sharing)
         self.rank, self.rope = config.kv_lora_rank, config.qk_rope_head_dim
-        self.index_dim = index_width(config._config)  # a sparse model's indexer key, after the latent
+        self.index_dim = config.index_dim  # a sparse model's indexer key, after the latent
         self.row_width = 2 * self.head_dim  # the sizing view's head_dim: rank + rope (+ index), rounded up to even
         self.step = None  # the step being prepared or run (``paged_attention.PagedStep``)
         # The forward's read and write indices, as its layers' cache updates receive them (the indexer, which reads
@@ -129,6 +156,12 @@ class LatentAllocator(FullAttentionCacheAllocator):
         self.read_index, self.write_index = read_index, write_index
         return lat, rot
 
+    def source(self, read_index: torch.Tensor, write_index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Where the step's visible rows lie in the view `update` handed the layer (`rows`, ``[..., rows, width]``):
+        the read indices, in order; a step with no cached past reads nothing back, and its rows are the ones it
+        writes, in the same order."""
+        return read_index if read_index.numel() else write_index
+
     def index_keys(self, layer_idx: int) -> torch.Tensor:
         """Layer `layer_idx`'s indexer keys ``[rows, index_dim]``, addressed as its latent rows are."""
         start = self.rank + self.rope
@@ -136,6 +169,37 @@ class LatentAllocator(FullAttentionCacheAllocator):
 
     def get_cache_for_block_table(self, layer_idx):
         raise NotImplementedError("the paged latent cache has no per-head K/V pages for flash_attn_with_kvcache")
+
+
+class SlidingLatentAllocator(LatentAllocator, SlidingAttentionCacheAllocator):
+    """Transformers' sliding-window allocator (a ring of pages holding each request's last ``sliding_window``
+    tokens) with latent rows: a DSA model's sliding-window MLA layers (dots3's), which have a latent width of their
+    own (`LatentSizing`) and no indexer. Its ring indices and block counts are the parent's; no prefix sharing (the
+    parent's rule: a ring overwrites its oldest rows)."""
+
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):
+        """The rows each request sees, gathered into a new tensor ``[K, width]`` in the order of the read indices
+        (its last ``sliding_window - 1`` cached tokens, then its new ones, where the read indices hold Transformers'
+        sentinel), before the new rows are written: a chunk's new rows take the ring slots of rows that its earlier
+        tokens still see. The views handed back index that tensor (`source`), which carries this allocator as the
+        paged rows' root tensor does (`allocator_of`)."""
+        rows = self._layer_rows[layer_idx]
+        rope = value_states.shape[-1]
+        new = rows.new_zeros(key_states.shape[0], self.row_width)
+        new[:, : self.rank], new[:, self.rank : self.rank + rope] = key_states[:, 0], value_states[:, 0]
+        if read_index.numel():
+            window = rows.index_select(0, read_index)
+            # (the sentinels stand for the requests' new tokens in order; padding tokens come last and have none)
+            window.masked_scatter_((read_index == self.sentinel_index)[:, None], new)
+        else:
+            window = new
+        rows.index_copy_(0, write_index, new)
+        setattr(window, _ALLOCATOR_ATTR, weakref.ref(self))
+        return window[:, None, : self.rank], window[:, None, self.rank : self.rank + rope]
+
+    def source(self, read_index: torch.Tensor, write_index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The gathered rows are the step's visible rows, in order."""
+        return torch.arange(rows.shape[-2], device=rows.device)
 
 
 # Transformers 5.25+ builds MLA layers' pages with its own allocator, named in its cache module (None before).
@@ -150,14 +214,17 @@ def latent_or(base: type) -> type:
     package), `base` itself for any other. One class, never swapped in and out, so caches built at the same time in
     two threads each get theirs; its class attributes are `base`'s, as Transformers reads them."""
 
+    latent_class = SlidingLatentAllocator if issubclass(base, SlidingAttentionCacheAllocator) else LatentAllocator
+
     def __new__(cls, **kwargs):
         latent = isinstance(kwargs.get("config"), LatentSizing)
-        return (LatentAllocator if latent else base)(**kwargs)
+        return (latent_class if latent else base)(**kwargs)
 
     return type(f"LatentOr{base.__name__}", (base,), {"__new__": __new__, "__doc__": latent_or.__doc__})
 
 
 FullOrLatentAllocator = latent_or(FullAttentionCacheAllocator)
+SlidingOrLatentAllocator = latent_or(SlidingAttentionCacheAllocator)
 MLAOrLatentAllocator = None if TRANSFORMERS_MLA_ALLOCATOR is None else latent_or(TRANSFORMERS_MLA_ALLOCATOR)
 
 
@@ -179,7 +246,8 @@ def build_paged_cache(original, cache, config, *args, **kwargs) -> None:
     memory sizing, shown the `LatentSizing` view, for which its full-attention allocator is a `LatentAllocator`."""
     sizing = LatentSizing(config)
     original(cache, sizing, *args, **kwargs)
-    per_head = 2 * cb_cache.find_num_key_value_heads(config) * cb_cache.find_head_dim(config)
+    first = layer_config(config, 0)
+    per_head = 2 * cb_cache.find_num_key_value_heads(first) * cb_cache.find_head_dim(first)
     latent = next(a for a in cache.cache_allocators.values() if isinstance(a, LatentAllocator))
     logger.info(
         f"flashinfer_mla: paged latent cache of {cache.num_blocks} blocks of {latent.tokens_per_page} tokens: "
@@ -212,13 +280,14 @@ def refuse_unservable(model) -> None:
         )
     if impl != ATTN_NAME:
         return  # Transformers 5.25+ pages the latent itself and expands it for eager/sdpa/flash
-    unknown = sorted(set(getattr(config, "layer_types", None) or ()) - {FULL_ATTENTION, INDEXED_ATTENTION})
+    unknown = sorted(set(getattr(config, "layer_types", None) or ()) - {FULL_ATTENTION, INDEXED_ATTENTION,
+                                                                        SLIDING_ATTENTION})
     if unknown:
         raise UnsupportedModelError(
             f'continuous batching cannot serve model_type "{name}": its layers of type {", ".join(unknown)} '
             "have no paged cache for the MLA latent (Transformers' continuous batching keeps full- and sliding-window "
-            "attention caches only, and this package gives latent rows to the full-attention ones). Use generate(), "
-            "which runs every layer type."
+            "attention caches only, and this package gives latent rows to those). Use generate(), which runs every "
+            "layer type."
         )
     if getattr(model, "_device_mesh", None) is not None:
         raise UnsupportedModelError(

@@ -43,12 +43,14 @@ _TOKEN_DIM = {"hidden_states": "batch", "q_resid": "batch", "position_embeddings
               "position_ids": "positions", "attention_mask": "mask", "cache": "cache"}
 
 
-def latent_allocator(cache) -> LatentAllocator | None:
-    """The `LatentAllocator` of a continuous-batching cache holding this package's latent rows (None: any other)."""
+def latent_allocator(cache, layer: int | None = None) -> LatentAllocator | None:
+    """The `LatentAllocator` of a continuous-batching cache holding this package's latent rows (`layer`'s, where
+    given: a model with sliding-window layers has a second one), None for any other cache."""
     allocators = getattr(cache, "cache_allocators", None)
     if not isinstance(allocators, dict):
         return None
-    return next((a for a in allocators.values() if isinstance(a, LatentAllocator)), None)
+    found = (cache.layer_to_allocator.get(layer),) if layer is not None else allocators.values()
+    return next((a for a in found if isinstance(a, LatentAllocator)), None)
 
 
 def step_mask(config, inputs_embeds: torch.Tensor, cache) -> torch.Tensor | None:
@@ -82,7 +84,7 @@ def _per_request_groups(forward):
     def indexer_forward(self, *args, **kwargs):
         # On a paged latent cache the packed forward's selection is made per request group; elsewhere, unchanged.
         bound = signature.bind(self, *args, **kwargs)
-        allocator = latent_allocator(bound.arguments.get("cache"))
+        allocator = latent_allocator(bound.arguments.get("cache"), self.layer_idx)
         if allocator is None:
             return forward(self, *args, **kwargs)
         return select(self, forward, bound, allocator)

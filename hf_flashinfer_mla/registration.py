@@ -73,6 +73,8 @@ SEAMS = (
          "sizes pages from per-head K/V: built with a LatentSizing view"),
     Seam(cb_cache.ATTN_TYPE_TO_ALLOCATOR, "full_attention", paged_cache.latent_or, "5.24, 5.25",
          "the full-attention allocator builds latent rows for a LatentSizing config"),
+    Seam(cb_cache.ATTN_TYPE_TO_ALLOCATOR, "sliding_attention", paged_cache.latent_or, "5.24, 5.25",
+         "the same for sliding-window layers (a DSA model's, dots3's): their ring of pages holds latent rows"),
     Seam(cb_cache.ATTN_TYPE_TO_ALLOCATOR, paged_cache.INDEXED_ATTENTION, paged_cache.indexed_as_full, "5.24, 5.25",
          "its checks know no allocator for DSA layers, which page as full attention (LatentSizing)", adds=True),
     Seam(cb_cache, "MLACacheAllocator", paged_cache.latent_or, "5.25",

@@ -19,6 +19,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from helpers import FAMILIES, HYBRIDS, VOCAB, make_config, make_model, package_warnings
 from hf_flashinfer_mla import UnsupportedModelError, paged_attention, paged_cache
+from hf_flashinfer_mla.paged_cache import SlidingLatentAllocator
 
 NEW_TOKENS = 5
 LENGTHS = (3, 9, 1, 14, 6, 11)
@@ -53,13 +54,14 @@ def eager_tokens(model, batch, new_tokens=NEW_TOKENS) -> list[list[int]]:
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Every `PagedStep` the loop prepared: (query lengths, rows seen) per request."""
+    """Every `PagedStep` the loop prepared over full-attention rows: (query lengths, rows seen) per request."""
     seen = []
     original = paged_attention.PagedStep.of_batch
 
-    def of_batch(requests, tokens, *args):
-        step = original(requests, tokens, *args)
-        seen.append((step.q_lens.tolist(), step.k_lens.tolist()))
+    def of_batch(requests, allocator, *args):
+        step = original(requests, allocator, *args)
+        if not isinstance(allocator, SlidingLatentAllocator):  # (a sliding-window layer sees its window only)
+            seen.append((step.q_lens.tolist(), step.k_lens.tolist()))
         return step
 
     monkeypatch.setattr(paged_attention.PagedStep, "of_batch", staticmethod(of_batch))

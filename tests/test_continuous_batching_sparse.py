@@ -18,14 +18,16 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
 from helpers import DSA_FAMILIES, VOCAB, make_model, set_attention
-from hf_flashinfer_mla import UnsupportedModelError, paged_indexer
+from hf_flashinfer_mla import UnsupportedModelError, paged_attention, paged_indexer
 from hf_flashinfer_mla.kernels import fa
+from hf_flashinfer_mla.paged_cache import SlidingLatentAllocator
 from test_continuous_batching import greedy, small_cb, steps  # noqa: F401  (steps: a fixture)
 
 NEW_TOKENS = 4
 # Sparse families whose other layer types have no paged latent cache: refused, naming those layers.
-HYBRID = {"glm5_next": "linear_attention", "dots3_note_text": "sliding_attention"}
+HYBRID = {"glm5_next": "linear_attention"}
 SERVED = [t for t in DSA_FAMILIES if t not in HYBRID]
+SLIDING = "dots3_note_text"  # DSA layers beside sliding-window MLA layers of their own latent width
 
 
 def sparse_model(model_type: str, **kwargs):
@@ -127,7 +129,10 @@ def test_every_sparse_family_under_continuous_batching_matches_eager(model_type,
     assert max(len(q) for q, _ in steps) < len(batch)
     assert any(q > 1 and k > q for qs, ks in steps for q, k in zip(qs, ks))
     assert any(1 in qs and any(q > 1 for q in qs) for qs, _ in steps)
-    assert sum(observed["matched"]) >= 24
+    if model_type == SLIDING:  # (Transformers shares no prompt block where a layer keeps a ring of pages)
+        assert not observed["matched"]
+    else:
+        assert sum(observed["matched"]) >= 24
     _assert_real_selection(observed, model.config.get_text_config(decoder=True).index_topk)
 
 
@@ -147,8 +152,8 @@ def test_sparse_models_on_other_attention_refused_naming_the_fix():
 
 
 # ------------------------------------------------------------------------------------------- on the fa3 stand-in
-def _on_fa3(fake_hopper, monkeypatch, model_type="deepseek_v32"):
-    model = sparse_model(model_type)  # float64: the stand-in's dtype
+def _on_fa3(fake_hopper, monkeypatch, model_type="deepseek_v32", **overrides):
+    model = sparse_model(model_type, **overrides)  # float64: the stand-in's dtype
     runs = []
     real_run = fa.run
 
@@ -211,3 +216,118 @@ def test_control_a_selection_keeping_every_row_fails(fake_hopper, monkeypatch, o
     out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
     assert indexers and all(bool((kept == visible).all()) for visible, kept in observed["selections"])
     assert [o.generated_tokens for o in out.values()] != expected
+
+
+# ------------------------------------------------------------------------------- sliding-window layers beside DSA
+# dots3's sliding-window layers keep each request's last `sliding_window` tokens (4 in the test model) in a ring of
+# pages, with a latent of their own width; its DSA layers page as the other families' do.
+@pytest.fixture
+def windows(monkeypatch):
+    """Every step prepared over the sliding-window layers' rows: (query lengths, rows seen) per request."""
+    seen = []
+    original = paged_attention.PagedStep.of_batch
+
+    def of_batch(requests, allocator, *args):
+        step = original(requests, allocator, *args)
+        if isinstance(allocator, SlidingLatentAllocator):
+            seen.append((step.q_lens.tolist(), step.k_lens.tolist()))
+        return step
+
+    monkeypatch.setattr(paged_attention.PagedStep, "of_batch", staticmethod(of_batch))
+    return seen
+
+
+# A sliding-window layer first: what it gets wrong for a prompt's earlier tokens reaches the last token's logits
+# through three more layers (in the family's default order its two sliding layers come last, where it barely does).
+WINDOW_FIRST = dict(layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"])
+
+
+def _window_of(model) -> int:
+    return model.config.get_text_config(decoder=True).sliding_window
+
+
+def test_sliding_window_layers_see_their_window_under_continuous_batching(windows):
+    """Beyond the family test above: the schedule put every case of the window before the sliding layers, a chunk
+    longer than the window, a chunk whose cached past filled the window (its new rows overwrite, in the ring, rows
+    its own earlier tokens see), and decodes over a whole window, and every answer is eager's."""
+    model = sparse_model(SLIDING, dtype=torch.float32, **WINDOW_FIRST)
+    window, batch = _window_of(model), requests()
+    out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
+    assert [(o.error, o.generated_tokens) for o in out.values()] == [(None, t) for t in eager_tokens(model, batch)]
+    pairs = [(q, k) for qs, ks in windows for q, k in zip(qs, ks)]
+    assert all(k - q <= window - 1 for q, k in pairs)  # (a step reads at most the window's last rows back)
+    assert any(q > window for q, _ in pairs)
+    assert any(1 < q and k - q == window - 1 for q, k in pairs)
+    assert any(q == 1 and k == window for q, k in pairs)
+
+
+@pytest.mark.parametrize("swa_rank", [32, 48])
+def test_sliding_window_decode_on_the_fa3_stand_in_matches_eager(fake_hopper, monkeypatch, swa_rank):
+    """On the fa3 stand-in (kernels built for a latent of 32 + 8) the DSA layers decode on FlashInfer's sparse
+    kernel; sliding-window layers of that width on its dense kernel, over each request's gathered window (pages of
+    one row), and wider ones on the reference, as in generate() (dots3's own: 1024 + 64, which no FlashInfer MLA
+    kernel takes)."""
+    model, runs = _on_fa3(fake_hopper, monkeypatch, SLIDING, swa_kv_lora_rank=swa_rank, **WINDOW_FIRST)
+    batch = requests()
+    expected = [(None, tokens) for tokens in eager_tokens(model, batch, NEW_TOKENS)]
+    first, second = _served_twice(model, batch)
+    assert first == expected and second == expected
+    topk = model.config.get_text_config(decoder=True).index_topk
+    assert set(runs) == ({0, topk} if swa_rank == 32 else {topk})  # (0: a dense layer's)
+
+
+def test_control_new_rows_written_before_the_window_is_gathered_fails(monkeypatch):
+    """Control: the sliding layers' new rows written into the ring before the window is read back (as a full
+    layer's are) give a chunk's earlier tokens rows of its later ones, and other tokens than eager's. The fault is
+    shown to have changed the rows some chunks saw."""
+    model = sparse_model(SLIDING, dtype=torch.float32, **WINDOW_FIRST)
+    batch = requests()
+    expected = eager_tokens(model, batch)
+    changed = []
+    update = SlidingLatentAllocator.update
+
+    def written_first(self, key_states, value_states, layer_idx, read_index, write_index):
+        rows = self._layer_rows[layer_idx]
+        before = rows.index_select(0, read_index)
+        update(self, key_states, value_states, layer_idx, read_index, write_index)  # (writes the new rows)
+        lat, rot = update(self, key_states, value_states, layer_idx, read_index, write_index)  # (reads them back)
+        changed.append(not torch.equal(before[read_index != self.sentinel_index],
+                                       rows.index_select(0, read_index)[read_index != self.sentinel_index]))
+        return lat, rot
+
+    monkeypatch.setattr(SlidingLatentAllocator, "update", written_first)
+    out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
+    assert any(changed)
+    assert [o.generated_tokens for o in out.values()] != expected
+
+
+def test_control_a_chunk_attending_past_its_window_fails(monkeypatch, windows):
+    """Control: prefill chunks of the sliding layers attended causally without the window give other tokens than
+    eager's. The fault is shown to have met chunks whose tokens would see more rows than the window."""
+    model = sparse_model(SLIDING, dtype=torch.float32, **WINDOW_FIRST)
+    window, batch = _window_of(model), requests()
+    expected = eager_tokens(model, batch)
+    prefill = paged_attention._prefill
+
+    def windowless(allocator, *args, **kwargs):
+        if not isinstance(allocator, SlidingLatentAllocator):
+            return prefill(allocator, *args, **kwargs)
+        monkeypatch.setattr(allocator, "sliding_window", None)  # (the ring's indices were laid out already)
+        try:
+            return prefill(allocator, *args, **kwargs)
+        finally:
+            monkeypatch.setattr(allocator, "sliding_window", window)
+
+    monkeypatch.setattr(paged_attention, "_prefill", windowless)
+    out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
+    assert any(q > 1 and k > window for qs, ks in windows for q, k in zip(qs, ks))
+    assert [o.generated_tokens for o in out.values()] != expected
+
+
+def test_sliding_window_layers_keep_continuous_batching_out_of_cuda_graphs(monkeypatch):
+    """A model with sliding-window MLA layers runs continuous batching without CUDA graphs, naming why, even where
+    it has no indexer (its layers attend over a window gathered into a new tensor every step)."""
+    model = sparse_model(SLIDING)
+    assert "indexer" in paged_attention.graph_refusal(model, 64)
+    monkeypatch.setattr(paged_attention, "index_width", lambda config: 0)
+    assert "sliding-window layers" in paged_attention.graph_refusal(model, 64)

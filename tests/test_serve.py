@@ -830,16 +830,19 @@ def test_the_same_fields_asking_nothing_are_answered_and_seed_is_refused_only_wh
 
 # --- a sparse-attention (DSA) model under continuous batching ----------------------------------------------------------
 
-def test_a_sparse_model_served_with_continuous_batching_answers_as_eager(tmp_path):
-    """A DeepSeek-V3.2-style checkpoint (DSA: each token attends to its indexer's top-4 rows) served with continuous
-    batching: concurrent requests, streamed or not, with prompts longer than top-k, get eager generate()'s words."""
-    from transformers import AutoTokenizer, DeepseekV32ForCausalLM
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "dots3_note_text"])
+def test_a_sparse_model_served_with_continuous_batching_answers_as_eager(tmp_path, model_type):
+    """A DeepSeek-V3.2-style checkpoint (DSA: each token attends to its indexer's top-4 rows), and a dots3-style one
+    (DSA layers beside sliding-window layers of 4 tokens), served with continuous batching: concurrent requests,
+    streamed or not, with prompts longer than top-k and the window, get eager generate()'s words."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from test_continuous_batching_sparse import sparse_model
+    from test_continuous_batching_sparse import WINDOW_FIRST, sparse_model
 
-    save_model(tmp_path, model=sparse_model("deepseek_v32", dtype=torch.float32))
+    overrides = WINDOW_FIRST if model_type == "dots3_note_text" else {}
+    save_model(tmp_path, model=sparse_model(model_type, dtype=torch.float32, **overrides))
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
-    model = DeepseekV32ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
 
     def words(content: str) -> list[str]:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
