@@ -52,16 +52,24 @@ def eager_tokens(model, batch, new_tokens=NEW_TOKENS) -> list[list[int]]:
         model.set_attn_implementation("flashinfer_mla")
 
 
+class Steps(list):
+    """Every `PagedStep` the loop prepared over full-attention rows: (query lengths, rows seen) per request; in
+    `windows`, the same over sliding-window layers' rows (each request's window only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.windows = []
+
+
 @pytest.fixture
 def steps(monkeypatch):
-    """Every `PagedStep` the loop prepared over full-attention rows: (query lengths, rows seen) per request."""
-    seen = []
+    seen = Steps()
     original = paged_attention.PagedStep.of_batch
 
     def of_batch(requests, allocator, *args):
         step = original(requests, allocator, *args)
-        if not isinstance(allocator, SlidingLatentAllocator):  # (a sliding-window layer sees its window only)
-            seen.append((step.q_lens.tolist(), step.k_lens.tolist()))
+        into = seen.windows if isinstance(allocator, SlidingLatentAllocator) else seen
+        into.append((step.q_lens.tolist(), step.k_lens.tolist()))
         return step
 
     monkeypatch.setattr(paged_attention.PagedStep, "of_batch", staticmethod(of_batch))

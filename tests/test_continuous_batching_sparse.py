@@ -221,22 +221,6 @@ def test_control_a_selection_keeping_every_row_fails(fake_hopper, monkeypatch, o
 # ------------------------------------------------------------------------------- sliding-window layers beside DSA
 # dots3's sliding-window layers keep each request's last `sliding_window` tokens (4 in the test model) in a ring of
 # pages, with a latent of their own width; its DSA layers page as the other families' do.
-@pytest.fixture
-def windows(monkeypatch):
-    """Every step prepared over the sliding-window layers' rows: (query lengths, rows seen) per request."""
-    seen = []
-    original = paged_attention.PagedStep.of_batch
-
-    def of_batch(requests, allocator, *args):
-        step = original(requests, allocator, *args)
-        if isinstance(allocator, SlidingLatentAllocator):
-            seen.append((step.q_lens.tolist(), step.k_lens.tolist()))
-        return step
-
-    monkeypatch.setattr(paged_attention.PagedStep, "of_batch", staticmethod(of_batch))
-    return seen
-
-
 # A sliding-window layer first: what it gets wrong for a prompt's earlier tokens reaches the last token's logits
 # through three more layers (in the family's default order its two sliding layers come last, where it barely does).
 WINDOW_FIRST = dict(layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"])
@@ -246,7 +230,7 @@ def _window_of(model) -> int:
     return model.config.get_text_config(decoder=True).sliding_window
 
 
-def test_sliding_window_layers_see_their_window_under_continuous_batching(windows):
+def test_sliding_window_layers_see_their_window_under_continuous_batching(steps):
     """Beyond the family test above: the schedule put every case of the window before the sliding layers, a chunk
     longer than the window, a chunk whose cached past filled the window (its new rows overwrite, in the ring, rows
     its own earlier tokens see), and decodes over a whole window, and every answer is eager's."""
@@ -254,7 +238,7 @@ def test_sliding_window_layers_see_their_window_under_continuous_batching(window
     window, batch = _window_of(model), requests()
     out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
     assert [(o.error, o.generated_tokens) for o in out.values()] == [(None, t) for t in eager_tokens(model, batch)]
-    pairs = [(q, k) for qs, ks in windows for q, k in zip(qs, ks)]
+    pairs = [(q, k) for qs, ks in steps.windows for q, k in zip(qs, ks)]
     assert all(k - q <= window - 1 for q, k in pairs)  # (a step reads at most the window's last rows back)
     assert any(q > window for q, _ in pairs)
     assert any(1 < q and k - q == window - 1 for q, k in pairs)
@@ -287,13 +271,11 @@ def test_control_new_rows_written_before_the_window_is_gathered_fails(monkeypatc
     update = SlidingLatentAllocator.update
 
     def written_first(self, key_states, value_states, layer_idx, read_index, write_index):
-        rows = self._layer_rows[layer_idx]
-        before = rows.index_select(0, read_index)
-        update(self, key_states, value_states, layer_idx, read_index, write_index)  # (writes the new rows)
-        lat, rot = update(self, key_states, value_states, layer_idx, read_index, write_index)  # (reads them back)
-        changed.append(not torch.equal(before[read_index != self.sentinel_index],
-                                       rows.index_select(0, read_index)[read_index != self.sentinel_index]))
-        return lat, rot
+        rows, cached = self._layer_rows[layer_idx], read_index[read_index != self.sentinel_index]
+        before = rows.index_select(0, cached)
+        update(self, key_states, value_states, layer_idx, read_index, write_index)  # writes the new rows ...
+        changed.append(not torch.equal(before, rows.index_select(0, cached)))
+        return update(self, key_states, value_states, layer_idx, read_index, write_index)  # ... then gathers
 
     monkeypatch.setattr(SlidingLatentAllocator, "update", written_first)
     out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
@@ -301,7 +283,7 @@ def test_control_new_rows_written_before_the_window_is_gathered_fails(monkeypatc
     assert [o.generated_tokens for o in out.values()] != expected
 
 
-def test_control_a_chunk_attending_past_its_window_fails(monkeypatch, windows):
+def test_control_a_chunk_attending_past_its_window_fails(monkeypatch, steps):
     """Control: prefill chunks of the sliding layers attended causally without the window give other tokens than
     eager's. The fault is shown to have met chunks whose tokens would see more rows than the window."""
     model = sparse_model(SLIDING, dtype=torch.float32, **WINDOW_FIRST)
@@ -320,7 +302,7 @@ def test_control_a_chunk_attending_past_its_window_fails(monkeypatch, windows):
 
     monkeypatch.setattr(paged_attention, "_prefill", windowless)
     out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
-    assert any(q > 1 and k > window for qs, ks in windows for q, k in zip(qs, ks))
+    assert any(q > 1 and k > window for qs, ks in steps.windows for q, k in zip(qs, ks))
     assert [o.generated_tokens for o in out.values()] != expected
 
 
