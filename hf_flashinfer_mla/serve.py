@@ -15,7 +15,7 @@ is pickled there, and unpickling `MLAModelLoader` imports this module, so the mo
 * with ``--continuous-batching``, a model continuous batching cannot serve (see ``paged_cache.refuse_unservable``) fails
   when it is loaded (at server start for a model named on the command line), not at its first request;
 * requests checked, answers capped at the context, and a continuous-batching worker that dies replaced
-  (``serve_guards.py``): one bad request never takes the server down.
+  (``serve_guards.py``, ``serve_recovery.py``): one bad request never takes the server down.
 
     python -m hf_flashinfer_mla.serve /path/to/DeepSeek-V2-Lite-Chat --continuous-batching --dtype bfloat16
 """
@@ -31,7 +31,7 @@ from typing import Annotated
 from transformers.cli.serving import model_manager as _transformers_model_manager
 from transformers.utils import logging
 
-from . import paged_cache, serve_guards
+from . import paged_cache, serve_guards, serve_recovery
 from .models import ATTN_NAME
 
 PROG = "python -m hf_flashinfer_mla.serve"
@@ -88,10 +88,11 @@ def _model_manager_class():
 
 
 def install() -> None:
-    """What this package changes in Transformers' server (``serve_guards.py``; idempotent): run on import, so that
-    every process of the server has it (the model's process and the API servers import this module when they
-    unpickle the loader)."""
+    """What this package changes in Transformers' server (``serve_guards.py``, ``serve_recovery.py``; idempotent):
+    run on import, so that every process of the server has it (the model's process and the API servers import this
+    module when they unpickle the loader)."""
     serve_guards.install()
+    serve_recovery.install()
 
 
 if __name__ not in ("__main__", "__mp_main__"):  # run as a script, the importable module installs them (main())

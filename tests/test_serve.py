@@ -462,7 +462,7 @@ def test_what_a_request_keeps_to_run_again_goes_when_it_ends_or_is_cancelled():
     import threading
     from types import SimpleNamespace
 
-    from hf_flashinfer_mla import serve_guards
+    from hf_flashinfer_mla import serve_recovery
 
     class Runner:  # (CBGenerateRunner's surface that the wrapper reads)
         def __init__(self, model, processor, send_results, cb_config, context_length=None):
@@ -475,7 +475,7 @@ def test_what_a_request_keeps_to_run_again_goes_when_it_ends_or_is_cancelled():
         def cancel(self, request_id):
             self.cancelled.append(request_id)
 
-    serve_guards._install_worker_restart_525(Runner)
+    serve_recovery._install_worker_restart_525(Runner)
     sent = []
     runner = Runner(None, None, lambda *args: sent.append(args), None)
     for request_id in (7, 8):
@@ -496,7 +496,7 @@ def test_a_request_cancelled_while_the_worker_is_replaced_leaves_the_others_to_r
     import threading
     from types import SimpleNamespace
 
-    from hf_flashinfer_mla import serve_guards
+    from hf_flashinfer_mla import serve_recovery
 
     def worker():
         return SimpleNamespace(background_thread_status=SimpleNamespace(fatal_error=None), stop=lambda **_: None)
@@ -515,7 +515,7 @@ def test_a_request_cancelled_while_the_worker_is_replaced_leaves_the_others_to_r
             self.cancel(7)  # (the client of request 7 goes while the new worker starts)
             return worker()
 
-    serve_guards._install_worker_restart_525(Runner)
+    serve_recovery._install_worker_restart_525(Runner)
     ran_again = []
     monkeypatch.setattr(_serving_utils().GenerateRunner, "generate",
                         lambda self, request_id, inputs, kwargs, stream: ran_again.append(request_id))
@@ -542,7 +542,7 @@ def test_a_request_that_continuous_batching_failed_runs_alone_after_the_tokens_i
     import torch
     from transformers import GenerationConfig
 
-    from hf_flashinfer_mla import serve_guards
+    from hf_flashinfer_mla import serve_recovery
 
     class Worker:  # (the continuous batching manager's surface that the wrapper reads)
         def __init__(self):
@@ -594,7 +594,7 @@ def test_a_request_that_continuous_batching_failed_runs_alone_after_the_tokens_i
     def output(tokens, error=None, finished=False):
         return SimpleNamespace(generated_tokens=tokens, error=error, is_finished=lambda: finished)
 
-    serve_guards._install_worker_restart_524(Manager)
+    serve_recovery._install_worker_restart_524(Manager)
     manager, model, config = Manager(), Model(), GenerationConfig(max_new_tokens=4)
 
     async def run():
