@@ -224,17 +224,22 @@ def test_control_a_selection_keeping_every_row_fails(fake_hopper, monkeypatch, o
 # A sliding-window layer first: what it gets wrong for a prompt's earlier tokens reaches the last token's logits
 # through three more layers (in the family's default order its two sliding layers come last, where it barely does).
 WINDOW_FIRST = dict(layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"])
+# dots3 built without DSA (its config's `use_dsa=False`): full-attention MLA layers beside the sliding-window ones.
+WINDOW_FIRST_DENSE = dict(use_dsa=False,
+                          layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
 
 
 def _window_of(model) -> int:
     return model.config.get_text_config(decoder=True).sliding_window
 
 
-def test_sliding_window_layers_see_their_window_under_continuous_batching(steps):
+@pytest.mark.parametrize("layers", [WINDOW_FIRST, WINDOW_FIRST_DENSE], ids=["dsa", "without-dsa"])
+def test_sliding_window_layers_see_their_window_under_continuous_batching(steps, layers):
     """Beyond the family test above: the schedule put every case of the window before the sliding layers, a chunk
     longer than the window, a chunk whose cached past filled the window (its new rows overwrite, in the ring, rows
-    its own earlier tokens see), and decodes over a whole window, and every answer is eager's."""
-    model = sparse_model(SLIDING, dtype=torch.float32, **WINDOW_FIRST)
+    its own earlier tokens see), and decodes over a whole window, and every answer is eager's; beside DSA layers
+    and beside dense ones."""
+    model = sparse_model(SLIDING, dtype=torch.float32, **layers)
     window, batch = _window_of(model), requests()
     out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
     assert [(o.error, o.generated_tokens) for o in out.values()] == [(None, t) for t in eager_tokens(model, batch)]
@@ -306,10 +311,8 @@ def test_control_a_chunk_attending_past_its_window_fails(monkeypatch, steps):
     assert [o.generated_tokens for o in out.values()] != expected
 
 
-def test_sliding_window_layers_keep_continuous_batching_out_of_cuda_graphs(monkeypatch):
+def test_sliding_window_layers_keep_continuous_batching_out_of_cuda_graphs():
     """A model with sliding-window MLA layers runs continuous batching without CUDA graphs, naming why, even where
     it has no indexer (its layers attend over a window gathered into a new tensor every step)."""
-    model = sparse_model(SLIDING)
-    assert "indexer" in paged_attention.graph_refusal(model, 64)
-    monkeypatch.setattr(paged_attention, "index_width", lambda config: 0)
-    assert "sliding-window layers" in paged_attention.graph_refusal(model, 64)
+    assert "indexer" in paged_attention.graph_refusal(sparse_model(SLIDING), 64)
+    assert "sliding-window layers" in paged_attention.graph_refusal(sparse_model(SLIDING, **WINDOW_FIRST_DENSE), 64)
