@@ -276,3 +276,56 @@ def test_sparse_model_under_continuous_batching_on_kernel_against_reference(monk
           f"{dense_first} on 4 tokens")
     assert first >= yardstick - 2
     assert dense_first < first
+
+
+def _dots3_model():
+    """dots3's layers at their attention dims: DSA layers as DeepSeek-V3.2's (128 heads, 512 + 64 latent, 64 indexer
+    heads of 128, ``index_topk`` 48) and sliding-window layers of its own (64 heads, a 1024 + 64 latent, which no
+    FlashInfer MLA kernel takes: the reference), a window of 64 tokens, a sliding layer first; dense MLPs."""
+    cfg = transformers.Dots3NoteTextConfig(
+        vocab_size=4096, hidden_size=2048, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, head_dim=192, index_n_heads=64, index_head_dim=128, index_topk=48, sliding_window=64,
+        layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
+        mlp_layer_types=["dense"] * 4, max_position_embeddings=8192, initializer_range=0.05, eos_token_id=None,
+        bos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flashinfer_mla",
+                                                         dtype=torch.bfloat16).to(DEV).eval()
+
+
+def test_sliding_window_and_sparse_layers_under_continuous_batching_on_kernel_against_reference(monkeypatch):
+    """A dots3-shaped model served by ``generate_batch``: its DSA layers decode on the kernel over each request's
+    selected rows, its sliding-window layers on the reference over each request's gathered window (prompts of 5 to
+    1,200 tokens against a window of 64), against the same loop with every layer on the reference, compared on each
+    request's first 4 tokens. The bound is a yardstick of the same run, as for DeepSeek-V3.2 above: the kernel
+    against the reference with every row kept in both, less 2 requests."""
+    backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
+    _available(backend, 128)
+    model = _dots3_model()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (5, 300, 17, 1200, 64, 9, 700, 33)]
+    gen = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=64, num_blocks=256, max_batch_tokens=512, max_requests_per_batch=8)
+    topks = []
+    original = fa.run
+    monkeypatch.setattr(fa, "run", lambda meta, layer, *a, **k: topks.append(layer.topk) or original(meta, layer, *a,
+                                                                                                      **k))
+
+    def run(requested):
+        monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", requested)
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        assert all(o.error is None for o in out.values())
+        return [o.generated_tokens for o in out.values()]
+
+    ours, reference = run(backend), run("reference")
+    assert topks and set(topks) == {48}, "the sparse kernel never ran (and only the DSA layers may run it)"
+    first = sum(a[:4] == b[:4] for a, b in zip(ours, reference))
+    for layer in model.model.layers:
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.index_topk = 10**6
+    yardstick = sum(a[:4] == b[:4] for a, b in zip(run(backend), run("reference")))
+    print(f"dots3 {backend}: {first}/{len(prompts)} requests agree with the reference backend on 4 tokens; "
+          f"yardstick (every row kept in both): {yardstick}")
+    assert first >= yardstick - 2
