@@ -229,6 +229,28 @@ def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
     assert skipped and sum(a != b for a, b in zip(stale, in_graphs)) >= 2
 
 
+def _served_sparse(model, monkeypatch):
+    """For the sparse tests below: `run(backend)` serves 8 prompts of 5 to 1,200 tokens (24 new each) through
+    ``generate_batch`` with every decode requested on `backend` and returns each request's tokens; `topks` collects
+    the ``topk`` of every FlashInfer kernel call."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (5, 300, 17, 1200, 64, 9, 700, 33)]
+    gen = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=64, num_blocks=256, max_batch_tokens=512, max_requests_per_batch=8)
+    topks = []
+    original = fa.run
+    monkeypatch.setattr(fa, "run", lambda meta, layer, *a, **k: topks.append(layer.topk) or original(meta, layer, *a,
+                                                                                                      **k))
+
+    def run(requested):
+        monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", requested)
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        assert all(o.error is None for o in out.values())
+        return [o.generated_tokens for o in out.values()]
+
+    return run, topks, prompts
+
+
 def test_sparse_model_under_continuous_batching_on_kernel_against_reference(monkeypatch):
     """A DeepSeek-V3.2-shaped model (its attention and indexer dims, ``index_topk`` 48 so that these prompts drop
     rows) served by ``generate_batch``: decode on the kernel over each request's selected rows (pages of one row),
@@ -247,20 +269,7 @@ def test_sparse_model_under_continuous_batching_on_kernel_against_reference(monk
     _available(backend, 128)
     model = _v32_model()
     model.set_attn_implementation("flashinfer_mla")
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (5, 300, 17, 1200, 64, 9, 700, 33)]
-    gen = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(page_size=64, num_blocks=256, max_batch_tokens=512, max_requests_per_batch=8)
-    topks = []
-    original = fa.run
-    monkeypatch.setattr(fa, "run", lambda meta, layer, *a, **k: topks.append(layer.topk) or original(meta, layer, *a,
-                                                                                                      **k))
-
-    def run(requested):
-        monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", requested)
-        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
-        assert all(o.error is None for o in out.values())
-        return [o.generated_tokens for o in out.values()]
+    run, topks, prompts = _served_sparse(model, monkeypatch)
 
     ours, reference = run(backend), run("reference")
     assert topks and set(topks) == {48}, "the sparse kernel never ran"
@@ -304,20 +313,7 @@ def test_sliding_window_and_sparse_layers_under_continuous_batching_on_kernel_ag
     backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
     _available(backend, 128)
     model = _dots3_model()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (5, 300, 17, 1200, 64, 9, 700, 33)]
-    gen = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(page_size=64, num_blocks=256, max_batch_tokens=512, max_requests_per_batch=8)
-    topks = []
-    original = fa.run
-    monkeypatch.setattr(fa, "run", lambda meta, layer, *a, **k: topks.append(layer.topk) or original(meta, layer, *a,
-                                                                                                      **k))
-
-    def run(requested):
-        monkeypatch.setenv("HF_FLASHINFER_MLA_BACKEND", requested)
-        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
-        assert all(o.error is None for o in out.values())
-        return [o.generated_tokens for o in out.values()]
+    run, topks, prompts = _served_sparse(model, monkeypatch)
 
     ours, reference = run(backend), run("reference")
     assert topks and set(topks) == {48}, "the sparse kernel never ran (and only the DSA layers may run it)"
