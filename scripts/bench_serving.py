@@ -88,6 +88,8 @@ def progress(total: int, desc: str, enabled: bool):
 
 
 def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, mixed_graphs=True) -> dict:
+    from step_split import StepSplit
+
     from hf_flashinfer_mla import paged_attention
     from hf_flashinfer_mla.kernels import ragged
 
@@ -99,20 +101,29 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, 
     if not mixed_graphs:
         paged_attention.graph_pays = lambda q_lens, k_lens: bool((q_lens == 1).all())
     steps = {"steps": 0, "graphed_steps": 0, "graphed_mixed_steps": 0}
+    split = StepSplit(device) if args.step_split and attn == "flashinfer_mla" else None
 
     def counted(io):  # (every step of the package's, as its seam on prepare_batch_tensors hands it over)
+        if split is not None:
+            split.boundary()
         prepare(io)
         step = next((a.step for a in io.cache.cache_allocators.values() if hasattr(a, "step")), None)
         if step is not None:
+            mixed = bool((step.q_lens > 1).any())
             steps["steps"] += 1
             steps["graphed_steps"] += step.graphed
-            steps["graphed_mixed_steps"] += step.graphed and bool((step.q_lens > 1).any())
+            steps["graphed_mixed_steps"] += step.graphed and mixed
+            if split is not None:
+                split.classify(mixed, step.graphed, int(step.q_lens.sum()))
 
     paged_attention.prepare_step = counted
     try:
         got = _run_cb(model, attn, prompts, args, device, graphs)
         if steps["steps"]:
             got["setup"].update(steps)
+        if split is not None:
+            split.discard()
+            got["setup"]["step_split"] = split.report(got["wall_s"])
         return got
     finally:
         ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step = supported, pays, prepare
@@ -333,6 +344,10 @@ def parse_args(argv=None):
                    help="end each mode after this many seconds (status time-limit: the requests finished and the "
                         "tokens produced by then, unfinished requests' included); a generate() batch stops at its "
                         "next step past the limit, a prefill in progress runs to its end")
+    p.add_argument("--step-split", action="store_true",
+                   help="cb flashinfer_mla modes: time every step (device synchronized at its ends) and profile the "
+                        "uncompiled ones' GPU-busy time; report per kind of step and the bound on what CUDA graphs for "
+                        "them could gain (step_split.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
     p.add_argument("--device", default="cuda")
@@ -363,6 +378,14 @@ def main(argv=None) -> int:
         shown = f"{rec['tokens_per_s']:.1f} tok/s" if rec["status"] == "ok" else rec["status"]
         shown += f": {rec['message']}" if rec.get("message") else ""
         print(f"  {args.model} {mode}: {shown}", flush=True)
+        if rec.get("step_split"):
+            split = rec["step_split"]
+            for kind, r in split["kinds"].items():
+                busy = f", GPU busy {r['gpu_busy_s']:.2f} s" if "gpu_busy_s" in r else ""
+                print(f"    {kind} steps: {r['steps']}, {r['tokens']} tokens, wall {r['wall_s']:.2f} s{busy}")
+            bound = "none" if split["graph_bound"] is None else f"{split['graph_bound']:.3f}x"
+            print(f"    uncompiled steps' host share {split['saveable_s']:.2f} s of "
+                  f"{split['wall_s_without_profiler']:.2f} s: graphs for them gain at most {bound}", flush=True)
         bc.write_json(args.out, name, payload)
     rows = []
     for r in payload["results"]:

@@ -39,6 +39,11 @@
 #   bash scripts/dev/gpu_round.sh serving-vs-sdpa # 256 requests at once, flashinfer_mla against Transformers' own on
 #                                              # sdpa within VS_LIMIT s (50): requests finished and tokens produced;
 #                                              # VS_MODELS="deepseek-v2-lite deepseek-v3-attn" runs both models
+#   bash scripts/dev/gpu_round.sh serving-split # where the time of 256 requests at once goes: every step timed, the
+#                                              # uncompiled (mixed) steps' GPU-busy time profiled, and the bound on
+#                                              # what graphs for them could gain (bench_serving.py --step-split), on
+#                                              # SPLIT_MODELS ("deepseek-v2-lite deepseek-v3-attn"), steps of at most
+#                                              # SPLIT_TOKENS tokens (Transformers' 8192)
 #   bash scripts/dev/gpu_round.sh serving-sparse # DeepSeek-V3.2's attention with its indexer, 64 requests of 4k-32k
 #                                              # tokens: continuous batching against generate() on batches of 8
 #                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each within a
@@ -91,7 +96,7 @@ devkit() {
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
 MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb256-v3"
-MODES="$MODES serving-mixed serving-mixed512 serving-arrivals serving-vs-sdpa"
+MODES="$MODES serving-mixed serving-mixed512 serving-arrivals serving-vs-sdpa serving-split"
 MODES="$MODES serving-v3 serving-sparse sparse fp8 tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
@@ -270,6 +275,15 @@ mode_serving_arrivals() {
     --time-limit "${ARRIVAL_LIMIT:-180}" \
     --name serving_cb_deepseek-v2-lite_256_arrivals.json
   show 40
+}
+
+mode_serving_split() {
+  local m tokens=${SPLIT_TOKENS:+--cb-max-batch-tokens $SPLIT_TOKENS}
+  for m in ${SPLIT_MODELS:-deepseek-v2-lite deepseek-v3-attn}; do
+    run 240 python3 scripts/bench_serving.py --model "$m" $tokens --no-progress --out "$D" \
+      --modes cb-flashinfer_mla-decode-graphs --step-split --name "serving_cb_${m}_256_split${SPLIT_TOKENS:-}.json"
+  done
+  grep -v "Loading\|[Ww]arn" "$D/$MODE.log" | tail -40
 }
 
 mode_serving_v3() {
