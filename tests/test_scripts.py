@@ -84,6 +84,29 @@ def test_serving_with_requests_arriving_over_time_on_cpu(tmp_path):
         bench_serving.parse_args(["--request-rate", "5", "--modes", "generate-sdpa"])
 
 
+def test_step_split_counts_every_step_by_kind_and_merges_overlapping_gpu_intervals_on_cpu(tmp_path):
+    """``bench_serving.py --step-split``: the GPU-busy time is the union of the kernels' intervals (overlaps counted
+    once, gaps not at all); every step but the manager's last lands in a kind with its tokens, and the run's steps'
+    tokens add up to the prompts' plus the generated ones. Without CUDA nothing is profiled, so no bound is claimed."""
+    import bench_serving
+    from step_split import busy_ns
+
+    assert busy_ns([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert busy_ns([(3, 4)]) == 1 and busy_ns([]) == 0
+    args = ["--model", "tiny", "--requests", "5", "--prompt-min", "3", "--prompt-max", "9", "--new", "3",
+            "--cb-num-blocks", "64", "--cb-page-size", "16", "--cb-max-batch-tokens", "16", "--no-progress",
+            "--modes", "cb-flashinfer_mla", "--step-split"]
+    assert bench_serving.main(args + CPU + ["--out", str(tmp_path)]) == 0
+    (r,) = json.loads((tmp_path / "serving_tiny.json").read_text())["results"]
+    split = r["step_split"]
+    kinds = split["kinds"]
+    assert set(kinds) <= {"mixed", "decode", "mixed-graphed", "decode-graphed", "other"} and "mixed" in kinds, kinds
+    assert sum(k["steps"] for k in kinds.values()) == r["steps"] - 1  # (the last step is cut by the stop)
+    prompts = sum(len(p) for p in bench_serving.make_prompts(bench_serving.parse_args(args), 64))
+    assert prompts < sum(k["tokens"] for k in kinds.values()) <= prompts + 5 * 3
+    assert all(k["wall_s"] > 0 for k in kinds.values()) and split["graph_bound"] is None
+
+
 def test_serving_within_a_time_limit_counts_what_finished_and_every_token_produced_on_cpu(tmp_path):
     """``bench_serving.py --time-limit``: a load that cannot finish in time ends each mode at the limit with status
     time-limit, the requests finished by then, and the tokens produced by then, with their latencies: under
