@@ -405,6 +405,36 @@ def manager_checked(original):
     return __init__
 
 
+EMPTY_PROMPT = ("continuous batching was given an empty prompt: every request needs at least one input token (the "
+                "tokenizer's BOS token, or the chat template's)")
+
+
+def prompt_checked(original):
+    # Transformers schedules a request with no input token as one with nothing to attend from: among others it answers
+    # with a neighbouring request's first token, alone it fails inside the loop (its own attentions do the same).
+    # Refused here, in the caller's thread, before it is queued.
+    @functools.wraps(original)
+    def add_request(self, input_ids, *args, **kwargs):
+        if len(input_ids) == 0 and uses_latent(self.model.config.get_text_config()):
+            raise ValueError(EMPTY_PROMPT)
+        return original(self, input_ids, *args, **kwargs)
+
+    return add_request
+
+
+def prompts_checked(original):
+    # generate_batch turns an error while it queues its requests into a log line and an empty result: an empty prompt
+    # is refused before the manager starts, naming which.
+    @functools.wraps(original)
+    def generate_batch(self, inputs, *args, **kwargs):
+        empty = [i for i, ids in enumerate(inputs or ()) if len(ids) == 0]
+        if empty and uses_latent(self.config.get_text_config()):
+            raise ValueError(f"{EMPTY_PROMPT}; inputs {empty} are empty")
+        return original(self, inputs, *args, **kwargs)
+
+    return generate_batch
+
+
 def latent_attention_kept(original):
     # Transformers switches a model whose config says eager to "paged|eager", through set_attn_implementation on the
     # whole model: a multimodal model whose wrapper and vision tower run eager (HY-V4-VL) would lose flashinfer_mla on

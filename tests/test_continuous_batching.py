@@ -142,6 +142,38 @@ def test_manager_streams_and_cancels():
         manager.stop(block=True, timeout=10)
 
 
+def test_an_empty_prompt_is_refused_in_the_callers_thread_and_the_model_keeps_serving(monkeypatch):
+    """Transformers schedules an empty prompt as a request with nothing to attend from; beside others it is answered,
+    without an error, from what its neighbours left (the control, with the seams' originals). generate_batch refuses
+    it before the manager starts, naming the input, and a kept manager's add_request before queueing it; the requests
+    after it give eager's tokens."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    model = make_model("deepseek_v3", dtype=torch.float32)
+    batch = prompts((3, 9))
+    expected = eager_tokens(model, batch)
+    with pytest.raises(ValueError, match=r"empty prompt.*inputs \[1\] are empty"):
+        model.generate_batch([batch[0], [], batch[1]], generation_config=greedy(), continuous_batching_config=small_cb())
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert [o.generated_tokens for o in out.values()] == expected
+    manager = model.init_continuous_batching(generation_config=greedy(), continuous_batching_config=small_cb())
+    manager.start()
+    try:
+        with pytest.raises(ValueError, match="empty prompt"):
+            manager.add_request([], max_new_tokens=NEW_TOKENS)
+        rid = manager.add_request(batch[1], max_new_tokens=NEW_TOKENS)
+        assert next(o for o in manager.request_id_iter(rid) if o.is_finished()).generated_tokens == expected[1]
+    finally:
+        manager.stop(block=True, timeout=10)
+    # The control: without the two seams the empty prompt is answered, with no error and tokens made up.
+    for cls, name in ((continuous_api.ContinuousMixin, "generate_batch"),
+                      (continuous_api.ContinuousBatchingManager, "add_request")):
+        monkeypatch.setattr(cls, name, getattr(cls, name).__wrapped__)
+    out = list(model.generate_batch([batch[0], [], batch[1]], generation_config=greedy(),
+                                    continuous_batching_config=small_cb()).values())
+    assert out[1].error is None and len(out[1].generated_tokens) == NEW_TOKENS, out[1]
+
+
 @pytest.mark.parametrize("model_type", HYBRIDS)
 def test_hybrids_refused_at_generate_batch(model_type):
     model = make_model(model_type, dtype=torch.float32)
