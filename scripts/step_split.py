@@ -56,7 +56,7 @@ class StepSplit:
         self.open["tokens"] = tokens
         if not graphed and self.device.type == "cuda":
             t = time.perf_counter()
-            prof = torch.autograd.profiler.profile(use_cpu=False, use_device="cuda")
+            prof = torch.autograd.profiler.profile(use_cpu=False, use_device="cuda", use_kineto=True)
             prof.__enter__()
             self.open["prof"], self.open["start_s"] = prof, time.perf_counter() - t
 

@@ -153,7 +153,8 @@ def test_an_empty_prompt_is_refused_in_the_callers_thread_and_the_model_keeps_se
     batch = prompts((3, 9))
     expected = eager_tokens(model, batch)
     with pytest.raises(ValueError, match=r"empty prompt.*inputs \[1\] are empty"):
-        model.generate_batch([batch[0], [], batch[1]], generation_config=greedy(), continuous_batching_config=small_cb())
+        model.generate_batch([batch[0], [], batch[1]], generation_config=greedy(),
+                             continuous_batching_config=small_cb())
     out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
     assert [o.generated_tokens for o in out.values()] == expected
     manager = model.init_continuous_batching(generation_config=greedy(), continuous_batching_config=small_cb())

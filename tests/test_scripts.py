@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import types
 
 import pytest
+import torch
 
 SCRIPTS = pathlib.Path(__file__).parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -105,6 +107,23 @@ def test_step_split_counts_every_step_by_kind_and_merges_overlapping_gpu_interva
     prompts = sum(len(p) for p in bench_serving.make_prompts(bench_serving.parse_args(args), 64))
     assert prompts < sum(k["tokens"] for k in kinds.values()) <= prompts + 5 * 3
     assert all(k["wall_s"] > 0 for k in kinds.values()) and split["graph_bound"] is None
+
+    # A profiled (uncompiled) step, its kernels given as CUPTI would: 0.3 s busy in 1 s of wall time, the rest saveable.
+    from step_split import StepSplit
+
+    def kernel(start_s, end_s):
+        return types.SimpleNamespace(device_type=lambda: torch.autograd.DeviceType.CUDA, name=lambda: "k",
+                                     start_ns=lambda: int(start_s * 1e9),
+                                     duration_ns=lambda: int((end_s - start_s) * 1e9))
+
+    prof = types.SimpleNamespace(__exit__=lambda *a: None, kineto_results=types.SimpleNamespace(
+        events=lambda: [kernel(0.0, 0.2), kernel(0.1, 0.25), kernel(0.5, 0.55)]))
+    split = StepSplit(torch.device("cpu"))
+    split.open = {"t0": 10.0, "kind": "mixed", "prof": prof, "start_s": 0.0, "tokens": 8}
+    split.close(now=11.0)
+    got = split.report(wall_s=4.0)
+    assert got["kinds"]["mixed"]["gpu_busy_s"] == pytest.approx(0.3)
+    assert got["saveable_s"] == pytest.approx(0.7) and got["graph_bound"] == pytest.approx(4.0 / 3.3, rel=1e-3)
 
 
 def test_serving_within_a_time_limit_counts_what_finished_and_every_token_produced_on_cpu(tmp_path):
