@@ -50,8 +50,7 @@ class StepSplit:
         self.open = {"t0": now, "kind": "other", "prof": None, "start_s": 0.0}
 
     def classify(self, mixed: bool, graphed: bool, tokens: int):
-        if self.open is None:
-            return
+        """The step begun at the last `boundary()` has its plan: its kind, and a profiler if it runs uncompiled."""
         self.open["kind"] = ("mixed" if mixed else "decode") + ("-graphed" if graphed else "")
         self.open["tokens"] = tokens
         if not graphed and self.device.type == "cuda":
@@ -60,13 +59,11 @@ class StepSplit:
             prof.__enter__()
             self.open["prof"], self.open["start_s"] = prof, time.perf_counter() - t
 
-    def close(self, now: float | None = None):
+    def close(self, now: float):
+        """The open step ends at `now` (the device synchronized): counted under its kind, its GPU-busy time read."""
         step, self.open = self.open, None
         if step is None:
             return
-        if now is None:
-            self._sync()
-            now = time.perf_counter()
         wall = now - step["t0"] - step["start_s"]
         row = self.kinds.setdefault(step["kind"], {"steps": 0, "wall_s": 0.0, "tokens": 0})
         row["steps"] += 1
