@@ -18,8 +18,11 @@ never a property of a checkpoint. It comes from, first to last:
    `LOAD_ATTR`, a private attribute that ``save_pretrained`` never writes);
 3. the environment variable ``HF_FLASHINFER_MLA_BACKEND``.
 
-An unknown name fails at the call that passes it. Forcing a backend that cannot run raises
-`BackendUnavailableError` saying why.
+An unknown name fails at the call that passes it. Forcing a backend that cannot run here (no GPU, another
+architecture, a dtype or head count its kernels do not take, FlashInfer missing) raises `BackendUnavailableError`
+saying why. Layers whose latent its kernels are not built for (dots3's sliding-window layers, 1024 + 64 beside its
+512 + 64 DSA layers; a whole MiniCPM3) are no reason to fail every request: they decode on the reference, after one
+warning naming their dims, and the other layers run the forced kernel.
 """
 
 from __future__ import annotations
@@ -137,17 +140,26 @@ def backend_and_reason(
     num_heads: int,
     requested: str = "auto",
 ) -> tuple[str, str | None]:
-    """``(backend, reason)``: the backend this decode call runs on, and why ``auto`` could not use the GPU's own kernel
-    (None when it could, or when a backend was forced). A forced backend that cannot run raises."""
+    """``(backend, reason)``: the backend this decode call runs on, and why it is not the GPU's own kernel (``auto``)
+    or the forced one (None where it is). A forced backend that cannot run on this device, dtype and head count
+    raises; layers whose latent dims its kernels do not take run the reference, with the reason."""
     validate_backend(requested, "choose_backend(requested=...)")
     if requested != "auto":
         reason = unavailable_reason(requested, device, dtype, kv_lora_rank, rope_dim, num_heads)
-        if reason:
+        if reason is None:
+            return requested, None
+        # Asked again for the dims its kernels are built for: any reason left is the device, the dtype or the head
+        # count, a setting that cannot work here, and it fails where it is passed. Otherwise only this layer's
+        # latent dims stand in the way (a model with layers of several latent widths): the layer falls back.
+        here = unavailable_reason(requested, device, dtype, *KERNEL_DIMS, num_heads)
+        if here:
             raise BackendUnavailableError(
-                f"mla_backend={requested!r} was requested but cannot run: {reason}. "
+                f"mla_backend={requested!r} was requested but cannot run: {here}. "
                 f'Unset it (or pass mla_backend="auto") to let flashinfer_mla choose, or "reference" to force PyTorch.'
             )
-        return requested, None
+        return "reference", (
+            f"mla_backend={requested!r} cannot run layers of kv_lora_rank {kv_lora_rank} + rope {rope_dim} (its "
+            f"kernels are built for {KERNEL_DIMS[0]} + {KERNEL_DIMS[1]}); layers it can run stay on it")
     cc = device_capability(device)
     if cc is None:
         return "reference", f"it needs an NVIDIA GPU and the tensors are on {device.type}"

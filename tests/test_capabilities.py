@@ -244,7 +244,10 @@ def test_hopper_fallback_is_the_reference_not_fa2(capability, no_cuda, monkeypat
         ("fa2", (7, 5), BF16, RANK, ROPE, 128, ["fa2", "8.0 or newer", "7.5"]),
         ("fa2", (9, 0), torch.float32, RANK, ROPE, 128, ["float32", "bfloat16 or float16"]),
         ("fa3", (9, 0), torch.float64, RANK, ROPE, 128, ["float64"]),
-        ("fa2", (8, 0), BF16, 256, 32, 40, ["256 + 32"]),
+        # Latent dims the kernels do not take beside a reason of the machine or dtype: the request fails, naming
+        # what no layer could run it with.
+        ("fa3", (8, 0), BF16, 1024, 64, 64, ["fa3", "Hopper", "8.0"]),
+        ("fa2", (9, 0), torch.float32, 256, 32, 40, ["float32"]),
         ("trtllm-gen", (9, 0), BF16, RANK, ROPE, 128, ["trtllm-gen", "SM100/SM103", "9.0"]),
         ("trtllm-gen", (12, 0), BF16, RANK, ROPE, 128, ["trtllm-gen", "12.0"]),
         ("cute-dsl", (9, 0), BF16, RANK, ROPE, 128, ["cute-dsl", "SM100/SM103", "9.0"]),
@@ -262,6 +265,31 @@ def test_forced_backend_that_cannot_run_raises(capability, no_cuda, backend, cc,
     assert repr(backend) in msg
     for fragment in fragments:
         assert fragment in msg, msg
+
+
+@pytest.mark.parametrize(
+    "backend, cc, rank, rope, heads",
+    [
+        ("fa3", (9, 0), 1024, 64, 64),  # dots3's sliding-window layers, beside its 512 + 64 DSA layers
+        ("fa2", (8, 0), 256, 32, 40),  # MiniCPM3: every layer
+        ("trtllm-gen", (10, 0), 1024, 64, 64),
+        ("cute-dsl", (10, 3), 256, 32, 96),
+    ],
+)
+def test_forced_backend_runs_layers_of_other_latent_dims_on_the_reference_after_one_warning(
+        capability, no_cuda, caplog, backend, cc, rank, rope, heads):
+    """A backend forced for speed on a model some of whose layers its kernels are not built for: those layers
+    decode on the reference (the fallback every kernel has), with one warning naming their dims however often they
+    are asked for, and the layers it takes keep the forced kernel."""
+    capability(cc)
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+    for _ in range(3):
+        assert choose_backend(GPU, BF16, rank, rope, heads, requested=backend) == "reference"
+        assert choose_backend(GPU, BF16, RANK, ROPE, 128, requested=backend) == backend
+    [warning] = [r.getMessage() for r in warnings_of(caplog)]
+    assert "PyTorch reference backend" in warning and repr(backend) in warning, warning
+    assert f"kv_lora_rank {rank} + rope {rope}" in warning and f"{RANK} + {ROPE}" in warning, warning
+    assert backend_and_reason(GPU, BF16, rank, rope, heads, backend) == ("reference", warning.split("because ")[1][:-1])
 
 
 @pytest.mark.parametrize("backend", ["fa3", "fa2", "trtllm-gen", "cute-dsl"])
@@ -456,6 +484,57 @@ def test_environment_report_on_blackwell_explains_cute_dsl_below_the_table(capab
     assert any(n.startswith("fa2 because trtllm-gen's MLA decode takes bfloat16 only") for n in notes)
     assert any(n.startswith("reference because its kernels take bfloat16 or float16") for n in notes)
     assert warnings_of(caplog) == []  # nothing logged in the middle of the table
+
+
+def test_a_forced_backend_serves_every_request_of_a_model_whose_sliding_layers_it_cannot_take(
+        fake_hopper, monkeypatch, caplog):
+    """dots3 on the fa3 stand-in (kernels built for 32 + 8; its sliding-window layers 48 + 8) served by
+    ``generate_batch`` with ``$HF_FLASHINFER_MLA_BACKEND=fa3``, as a user forcing the kernel for speed would: every
+    request answers with the reference backend's tokens, its DSA layers routed to fa3 and its sliding layers to the
+    reference, after one warning naming their dims. Control: under the rule as it was (a forced backend raising for
+    any layer it cannot take) the same batch fails, every request with ``BackendUnavailableError``'s message."""
+    from helpers import make_model
+    from test_continuous_batching import greedy, prompts, small_cb
+    from test_continuous_batching_sparse import WINDOW_FIRST
+
+    from hf_flashinfer_mla import plan
+
+    model = make_model("dots3_note_text", swa_kv_lora_rank=48, **WINDOW_FIRST)
+    routed, first_accepting = [], plan.first_accepting
+
+    def recorded(chain, layer, *args):
+        route = first_accepting(chain, layer, *args)
+        routed.append((layer.rank, route.backend))
+        return route
+
+    monkeypatch.setattr(plan, "first_accepting", recorded)
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
+
+    def serve(backend):
+        monkeypatch.setenv(ENV_VAR, backend)
+        out = model.generate_batch(prompts(), generation_config=greedy(), continuous_batching_config=small_cb())
+        return [(o.error, o.generated_tokens) for o in out.values()]
+
+    reference = serve("reference")
+    routed.clear()
+    caplog.clear()
+    forced = serve("fa3")
+    assert all(error is None for error, _ in reference) and forced == reference
+    assert set(routed) == {(32, "fa3"), (48, "reference")}
+    [warning] = [r.getMessage() for r in warnings_of(caplog)]
+    assert "mla_backend='fa3' cannot run layers of kv_lora_rank 48 + rope 8" in warning, warning
+
+    real = capabilities.backend_and_reason
+
+    def as_it_was(device, dtype, rank, rope, heads, requested="auto"):
+        why = requested != "auto" and capabilities.unavailable_reason(requested, device, dtype, rank, rope, heads)
+        if why:
+            raise BackendUnavailableError(f"mla_backend={requested!r} was requested but cannot run: {why}")
+        return real(device, dtype, rank, rope, heads, requested)
+
+    monkeypatch.setattr(capabilities, "backend_and_reason", as_it_was)
+    failed = serve("fa3")
+    assert failed and all(error and "mla_backend='fa3' was requested but cannot run" in error for error, _ in failed)
 
 
 # ---------------------------------------------------------------------------------------------------- fallbacks
