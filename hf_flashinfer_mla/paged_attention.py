@@ -6,7 +6,9 @@ Under continuous batching the attention function receives every request's query 
 * `PagedStep`: one forward's host-side lengths, built when Transformers prepares the batch (so planning never waits
   for the GPU), and the step's `plan.Routing`: its decode requests (one query token each) run through the same
   per-layer routine as generate()'s (``decode.decode_layer``: absorb -> the step's route -> project), their rows
-  given to the kernel builders as a ``rows.PageTable`` over the read indices. Each family reads it as it reads any
+  given to the kernel builders as a ``rows.PageTable`` over the step's rows. Those are laid out on the device
+  from the cache's block tables before the forward (`PagedStep.launch`), in the order Transformers' read indices
+  would list them, which the latent allocator leaves empty (listing them is Python work growing with the context). Each family reads it as it reads any
   cache: fa3/fa2 with pages of one row, trtllm-gen/cute-dsl with block tables of 64 (or 32) rows gathered from it
   where Transformers' pages of a multiple of 32 rows hold packed latent rows, the reference by gathering the rows.
 * Prefill chunks, which continuous batching mixes with decodes in one batch, are expanded through the model's own
@@ -34,6 +36,7 @@ from .masks import selection_mask
 from .models import attention_with_sinks, original_expand_kv
 from .paged_cache import (
     SLIDING_ATTENTION,
+    BlockRows,
     LatentAllocator,
     SlidingLatentAllocator,
     index_width,
@@ -69,8 +72,12 @@ class PagedStep(Routing):
     q_len = 1  # the routes serve the decode rows: one query token each
 
     def __init__(self, q_lens: torch.Tensor, k_lens: torch.Tensor, tokens: int, page_rows: int = 0,
-                 graphed: bool = False):
+                 graphed: bool = False, tables: BlockRows | None = None, read_end: int = 0):
         super().__init__()
+        # where the requests' rows lie, as block tables (None: the forward's read indices list them), and how many
+        # entries of the rows a forward reads (Transformers' padded read length)
+        self.tables, self.read_end = tables, read_end
+        self.launched = False  # its rows and graph slots are on the device (`launch`)
         self.requests = q_lens.numel()
         self.graphed = graphed
         self.q_lens, self.k_lens = q_lens, k_lens  # [R] int64, host
@@ -111,23 +118,30 @@ class PagedStep(Routing):
     batch_size = batch  # (as `kernels/graphs.py` reads a step)
 
     @classmethod
-    def of_batch(cls, requests, allocator: LatentAllocator, tokens: int, capture: bool = False) -> PagedStep:
+    def of_batch(cls, requests, allocator: LatentAllocator, tokens: int, capture: bool = False,
+                 read_end: int = 0) -> PagedStep:
         """From Transformers' scheduled requests, once `prepare_batch_tensors` has advanced their offsets, over
         `allocator`'s rows (a sliding-window layer sees its window only); graphed where it may be (`capture`) and a
-        graph pays for it (`graph_pays`)."""
+        graph pays for it (`graph_pays`). `read_end`: Transformers' padded read length."""
         q = torch.tensor([fs.query_length for fs in requests], dtype=torch.long)
         k = torch.tensor([allocator.get_seqlen_k(fs.state.position_offset - fs.query_length, fs.query_length)
                           for fs in requests], dtype=torch.long)
-        return cls(q, k, tokens, page_rows(allocator), capture and graph_pays(q, k))
+        tables = allocator.block_rows([fs.state.request_id for fs in requests], k)
+        return cls(q, k, tokens, page_rows(allocator), capture and graph_pays(q, k), tables, read_end)
 
-    @classmethod
-    def from_kwargs(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int, page_rows: int) -> PagedStep:
-        """From the forward's own cumulative lengths (one device-to-host copy): a forward not prepared by
-        continuous batching's loop."""
-        host = torch.stack([cu_q.long(), cu_k.long()]).cpu()
-        q, k = host.diff(dim=1)
-        keep = q > 0  # padding sequences have no tokens
-        return cls(q[keep], k[keep], tokens, page_rows)
+    def launch(self, allocator: LatentAllocator) -> None:
+        """The step's device work before its forward, on the stream the forward runs on: its rows laid out from the
+        block tables into the cache's rows buffer, and a graphed step's slots reloaded with its schedule (a replay
+        runs no Python). Once per step; stream-ordered after the previous step's forward, which may still run (the
+        buffers are the cache's, at fixed addresses)."""
+        if self.launched:
+            return
+        self.launched = True
+        if self.tables is not None:
+            self.tables.write(allocator.rows, max(self.pages.end, self.read_end), to_device)
+        if self.graphed:
+            for _, slot in graphs.slots_for(self.batch, 1, None):
+                slot.load(self)
 
     def matches(self, tokens: int, cu_q: torch.Tensor) -> bool:
         return self.tokens == tokens and cu_q.numel() >= self.requests + 1
@@ -169,21 +183,26 @@ class PagedStep(Routing):
 
 
 def prepare_step(io) -> None:
-    """Hand the batch Transformers just prepared (``ContinuousBatchingIOs`` `io`) to the cache's latent allocator:
-    its seam, `paged_steps`, calls this after ``prepare_batch_tensors``. A step that runs in a CUDA graph where
-    Transformers captures them (`graph_pays`, `PagedStep.graphed`) has the graph slots of its rows reloaded here
-    with its schedule, on the stream the graph replays on, since a replay runs no Python."""
+    """Hand the batch Transformers just prepared (``ContinuousBatchingIOs`` `io`, the host's under asynchronous
+    batching) to the cache's latent allocator: its seam, `paged_steps`, calls this after ``prepare_batch_tensors``.
+    Host work only: the step's lengths and block tables, whether it runs in a CUDA graph where Transformers captures
+    them (`graph_pays`, `PagedStep.graphed`); its device work waits for its forward (`launch_steps`)."""
     requests, tokens = io.requests_in_batch, io.num_q_tokens
     capturable = (getattr(io, "use_cuda_graph_varlen", False) and not io.use_block_table
                   and _fits_one_graph(io, tokens))
     for allocator in io.cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
             capture = capturable and _graphs_still_hold(allocator)
-            allocator.step = step = PagedStep.of_batch(requests, allocator, tokens, capture)
-            if step.graphed:
-                with stream_context(io.compute_stream):
-                    for _, slot in graphs.slots_for(step.batch, 1, None):
-                        slot.load(step)
+            allocator.step = PagedStep.of_batch(requests, allocator, tokens, capture, io.max_kv_read + tokens)
+
+
+def launch_steps(cache, stream) -> None:
+    """Every latent allocator's prepared step launched (`PagedStep.launch`) on `stream`, the one the forward (or its
+    graph's replay) runs on."""
+    with stream_context(stream):
+        for allocator in cache.cache_allocators.values():
+            if isinstance(allocator, LatentAllocator) and allocator.step is not None:
+                allocator.step.launch(allocator)
 
 
 def graph_pays(q_lens: torch.Tensor, k_lens: torch.Tensor) -> bool:
@@ -222,8 +241,14 @@ def _fits_one_graph(io, tokens: int) -> bool:
     graph captured on fa3/fa2 never meets a step it declines (``kernels/fa.py`` `refusal_for_every_step`). trtllm-gen
     has no such bound; its steps are held to fa's, which only leaves larger ones uncompiled."""
     heads = io.config.get_text_config().num_attention_heads
-    sms = torch.cuda.get_device_properties(io.device).multi_processor_count if io.device.type == "cuda" else 132
+    device = torch.device(io.cache.device)  # (under asynchronous batching `io` is the host's)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     return fa.work_items_bound(tokens, 1, heads, sms) <= fa.MAX_WORK_ITEMS
+
+
+NOT_PREPARED = ("flashinfer_mla: a forward over continuous batching's paged latent cache was not prepared by its loop "
+                "(the batch's lengths and block tables are laid out in ContinuousBatchingIOs.prepare_batch_tensors); run "
+                "it through generate_batch or init_continuous_batching, or use generate()")
 
 
 def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling, mla_backend=None, indices=None,
@@ -237,8 +262,8 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
     first = module.layer_idx == allocator.layer_indices[0]
     # (a graphed step serves the two forwards of its capture: warm-up, then capture)
     if step is None or (first and step.started and not step.graphed) or not step.matches(query.shape[2], cu_q):
-        step = allocator.step = PagedStep.from_kwargs(cu_q, kwargs["cu_seq_lens_k"], query.shape[2],
-                                                      page_rows(allocator))
+        raise RuntimeError(NOT_PREPARED)
+    step.launch(allocator)  # (done before the forward where Transformers' model runner runs it: `launch_steps`)
     source = allocator.source(kwargs["read_index"][allocator.index], kwargs["write_index"][allocator.index], kv_latent)
     if not step.started or (first and step.graphed):
         step.start(source)
@@ -466,12 +491,16 @@ def graphs_for_graphed_steps(original):
     # Transformers captures every padded varlen forward in a CUDA graph once it turned graphs on; a step of the
     # package's is captured only where its metadata can be reloaded before each replay (`PagedStep.graphed`: every
     # request decodes); any other step (prefill chunks, mixed) runs as it is, with the same padded inputs.
+    # It is also the last point before the forward or its graph's replay: the prepared steps' device work is
+    # launched there, on the stream the forward runs on.
     @functools.wraps(original)
     def _get_forward_fn(self, use_block_table: bool):
         forward_fn, use_graph = original(self, use_block_table)
         steps = [a.step for a in self.cache.cache_allocators.values() if isinstance(a, LatentAllocator)]
         if use_graph and steps:
             use_graph = all(step is not None and step.graphed for step in steps)
+        if steps:
+            launch_steps(self.cache, self.inputs_and_outputs.compute_stream)
         return forward_fn, use_graph
 
     return _get_forward_fn

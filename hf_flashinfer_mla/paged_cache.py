@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers.generation.continuous_batching import cache as cb_cache
@@ -52,6 +53,12 @@ from .models import (
 )
 
 INDEXED_ATTENTION = "indexed_attention"  # the layer type of a sparse (DSA) model's attention layers
+
+# Where a continuous-batching step finds its requests' rows: expanded on the device from the allocator's block tables
+# (`BlockRows`), a few host values per request; False keeps Transformers' read indices, which it lists token by
+# token in Python every step (``get_read_indices``), for the A/B of ``scripts/bench_step_prep.py`` and
+# ``scripts/bench_serving.py --modes ...-token-indices``.
+ROWS_FROM_BLOCK_TABLES = True
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
@@ -123,6 +130,10 @@ class LatentAllocator(FullAttentionCacheAllocator):
         # and writes its keys in the same rows, is handed no keyword arguments)
         self.read_index: torch.Tensor | None = None
         self.write_index: torch.Tensor | None = None
+        # Each step's rows in the layers' view, in the order Transformers' read indices would list them: written on the
+        # device before the step's forward (`BlockRows.write`), at one address for the cache's life (a CUDA graph
+        # reads it); sized as Transformers' read indices (`attach_rows_buffer`)
+        self.rows: torch.Tensor | None = None
         self.graphed_layers = weakref.WeakSet()  # attention modules captured in CUDA graphs over this cache
         self.graphs_refused: str | None = None  # why its steps no longer run in graphs (``paged_attention``)
         self.prefill_wrappers = ragged.Wrappers()  # FlashInfer's ragged prefill, planned per step
@@ -144,6 +155,30 @@ class LatentAllocator(FullAttentionCacheAllocator):
         self._typed = typed
         setattr(typed, _ALLOCATOR_ATTR, weakref.ref(self))
 
+    def get_read_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
+        # Transformers lists every visible row of every request in Python on every step, which grows with the total
+        # context; the step expands them on the device from the block tables instead (`block_rows`).
+        if ROWS_FROM_BLOCK_TABLES:
+            return []
+        return super().get_read_indices(request_id, past_length, query_length)
+
+    def attach_rows_buffer(self, size: int) -> None:
+        """The device buffer of each step's rows: `size` rows, as Transformers sizes its read indices (the scheduler
+        keeps a step's reads within them)."""
+        self.rows = torch.empty(size, dtype=torch.long, device=self.cache_tensor.device)
+
+    def block_rows(self, request_ids: list[str], k_lens: torch.Tensor) -> BlockRows | None:
+        """Where the requests' first `k_lens` rows lie: their blocks, on the host (None: Transformers lists them)."""
+        if not ROWS_FROM_BLOCK_TABLES or self.rows is None:
+            return None
+        per_page = self.tokens_per_page
+        counts = (k_lens + per_page - 1) // per_page
+        tables = self.block_table
+        blocks = list(itertools.chain.from_iterable(
+            tables[rid][:n] for rid, n in zip(request_ids, counts.tolist())))
+        return BlockRows(torch.tensor(blocks, dtype=torch.long), counts, k_lens, per_page,
+                         self.block_physical_stride, self.read_trash_index)
+
     def update(self, key_states, value_states, layer_idx, read_index, write_index):
         """Write the new latent rows (``[T, 1, rank]``, ``[T, 1, rope]``) and hand back the layer's whole row views:
         the attention reads them in place through the step's page table (no gather here)."""
@@ -158,8 +193,12 @@ class LatentAllocator(FullAttentionCacheAllocator):
 
     def source(self, read_index: torch.Tensor, write_index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Where the step's visible rows lie in the view `update` handed the layer (`rows`, ``[..., rows, width]``):
-        the read indices, in order; a step with no cached past reads nothing back, and its rows are the ones it
-        writes, in the same order."""
+        the rows the step expanded from the block tables (`PagedStep.launch`; as many as Transformers' padded read
+        indices, whose padded tail a CUDA graph's padding tokens read); else Transformers' read indices, in order, and
+        where a step has no cached past and reads nothing back, the rows it writes, in the same order."""
+        step = self.step
+        if step is not None and step.tables is not None:
+            return self.rows[: max(read_index.numel(), step.pages.end)]
         return read_index if read_index.numel() else write_index
 
     def index_keys(self, layer_idx: int) -> torch.Tensor:
@@ -171,11 +210,50 @@ class LatentAllocator(FullAttentionCacheAllocator):
         raise NotImplementedError("the paged latent cache has no per-head K/V pages for flash_attn_with_kvcache")
 
 
+@dataclass(eq=False)
+class BlockRows:
+    """A step's requests' rows as their blocks (host): request ``r``'s row ``j`` lies at ``blocks[b] *
+    block_stride + j % page`` of the layers' view, ``b`` its ``j // page``-th block. `write` lays them out on the
+    device in the order Transformers' read indices would (`FullAttentionCacheAllocator.get_read_indices`), from a
+    few host values per request: the host never lists a row."""
+
+    blocks: torch.Tensor  # [sum(counts)] int64: each request's first counts[r] blocks, in order
+    counts: torch.Tensor  # [R] int64
+    k_lens: torch.Tensor  # [R] int64: rows of each request
+    page: int  # rows per page
+    block_stride: int  # rows between two blocks in a layer's view
+    trash: int  # the row Transformers' padded read indices point to
+
+    def write(self, out: torch.Tensor, end: int, to_device) -> None:
+        """Each request's rows into ``out[:sum(k_lens)]``, the rest of ``out[:end]`` pointing at the trash row (a
+        CUDA graph's padding tokens read there). `to_device`: the host-to-device copy."""
+        total = int(self.k_lens.sum())
+        starts = torch.zeros_like(self.counts)
+        starts[1:] = self.counts.cumsum(0)[:-1]
+        offsets = torch.zeros_like(self.k_lens)
+        offsets[1:] = self.k_lens.cumsum(0)[:-1]
+        host = torch.cat([self.blocks, starts * self.page - offsets, self.k_lens])
+        device = to_device(host, out.device)
+        n = self.blocks.numel()
+        blocks, shift, lens = device[:n], device[n : n + self.k_lens.numel()], device[n + self.k_lens.numel():]
+        # row p of request r is its row j = p - offsets[r], at position f = starts[r] * page + j of its blocks' rows
+        flat = torch.arange(total, device=out.device) + torch.repeat_interleave(shift, lens, output_size=total)
+        torch.add(blocks[flat // self.page] * self.block_stride, flat % self.page, out=out[:total])
+        if end > total:
+            out[total:end].fill_(self.trash)
+
+
 class SlidingLatentAllocator(LatentAllocator, SlidingAttentionCacheAllocator):
     """Transformers' sliding-window allocator (a ring of pages holding each request's last ``sliding_window``
     tokens) with latent rows: a DSA model's sliding-window MLA layers (dots3's), which have a latent width of their
     own (`LatentSizing`) and no indexer. Its ring indices and block counts are the parent's; no prefix sharing (the
     parent's rule: a ring overwrites its oldest rows)."""
+
+    # (its ring's read indices: a window's few rows per request, which `update` gathers)
+    get_read_indices = SlidingAttentionCacheAllocator.get_read_indices
+
+    def block_rows(self, request_ids, k_lens) -> None:
+        return None
 
     def update(self, key_states, value_states, layer_idx, read_index, write_index):
         """The rows each request sees, gathered into a new tensor ``[K, width]`` in the order of the read indices
@@ -246,6 +324,9 @@ def build_paged_cache(original, cache, config, *args, **kwargs) -> None:
     memory sizing, shown the `LatentSizing` view, for which its full-attention allocator is a `LatentAllocator`."""
     sizing = LatentSizing(config)
     original(cache, sizing, *args, **kwargs)
+    for allocator in cache.cache_allocators.values():
+        if isinstance(allocator, LatentAllocator):
+            allocator.attach_rows_buffer(cache.max_tokens_read + cache.max_batch_tokens)
     first = layer_config(config, 0)
     per_head = 2 * cb_cache.find_num_key_value_heads(first) * cb_cache.find_head_dim(first)
     latent = next(a for a in cache.cache_allocators.values() if isinstance(a, LatentAllocator))

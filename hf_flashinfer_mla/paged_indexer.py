@@ -175,7 +175,8 @@ def select(indexer, forward, bound: inspect.BoundArguments, allocator: LatentAll
                            "loop (generate_batch, init_continuous_batching); run it there, or use generate()")
     device = hidden.device
     read_index, write_index = allocator.read_index, allocator.write_index
-    source = read_index if read_index.numel() else write_index
+    step.launch(allocator)  # (the indexer runs before its layer's attention: the step's rows must be laid out)
+    source = allocator.source(read_index, write_index, None)
     if step.index_calls is None:
         step.index_calls = calls(step, getattr(indexer, "n_heads", 64))
     keys = allocator.index_keys(indexer.layer_idx)

@@ -280,17 +280,19 @@ def test_a_manager_whose_decode_runs_on_the_reference_runs_neither_graphs_nor_as
     assert len([m for m in said if "without CUDA graphs" in m and "runs on reference" in m]) == 1
 
 
-def test_forward_without_prepared_step_reads_lengths(monkeypatch):
-    """A forward whose step was not laid out by the loop reads its lengths off its own kwargs."""
+def test_forward_without_prepared_step_fails_naming_the_loop(monkeypatch):
+    """A paged forward whose step the loop did not lay out has no rows to read (its block tables are read where
+    Transformers prepares the batch): it fails with an error naming the way to run it, not with another request's
+    rows. Control: the same requests, prepared, give eager's tokens."""
     model = make_model("deepseek_v3", dtype=torch.float32)
     batch = prompts((5, 3, 8))
-    read = []
-    monkeypatch.setattr(paged_attention, "prepare_step", lambda *a, **k: None)  # (its seam calls it through the module)
-    original = paged_attention.PagedStep.from_kwargs
-    monkeypatch.setattr(paged_attention.PagedStep, "from_kwargs", staticmethod(lambda *a: read.append(1) or original(*a)))
     out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
-    assert read
     assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    monkeypatch.setattr(paged_attention, "prepare_step", lambda *a, **k: None)  # (its seam calls it through the module)
+    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=small_cb())
+    assert len(out) == len(batch)
+    for o in out.values():
+        assert o.generated_tokens == [] and "was not prepared by its loop" in str(o.error)
 
 
 def test_generate_batch_frees_its_cache():
