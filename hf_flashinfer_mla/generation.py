@@ -20,16 +20,12 @@ import os
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
+from transformers.generation.utils import DeferredStopCheck
 
 from . import paged_indexer
 from .cache import MLAStaticLayer, packed_layout_for
 from .models import ATTN_NAME
 from .rows import GrowingMask
-
-try:  # (generate() reading its stop condition a step late: in 5.24 and 5.25, absent from older releases)
-    from transformers.generation.utils import DeferredStopCheck
-except ImportError:
-    DeferredStopCheck = None
 
 # A cache generate() prepared for a flashinfer_mla model (the attribute's value: True), whose stop check may run a
 # step late on these devices (`stop_checked_a_step_late`), unless $HF_FLASHINFER_MLA_DEFER_STOP is "0".
@@ -47,7 +43,7 @@ def caches_for_mla(original):
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # renamed in transformers 5.2x
+        cache = model_kwargs.get("cache")
         mla = self.config.get_text_config(decoder=True)._attn_implementation == ATTN_NAME
         if cache is not None:
             setattr(cache, DEFERS_STOP, mla)

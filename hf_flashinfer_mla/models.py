@@ -1,6 +1,6 @@
 """Which Transformers models can run ``flashinfer_mla``, and the two hooks this package puts into them.
 
-Every MLA attention class in Transformers (>= 5.15), dense or sparse (DSA), caches the compressed latent and only afterwards calls
+Every MLA attention class in Transformers, dense or sparse (DSA), caches the compressed latent and only afterwards calls
 ``self.expand_kv(kv_nope, k_rot)``, which pushes the *whole* cached history through ``kv_b_proj`` on every step.
 When a model runs ``flashinfer_mla`` that call is made to hand back the latent unchanged; the attention function
 (``attention.py``) then decides per step whether to expand it once (prefill) or to attend over it directly
@@ -20,16 +20,12 @@ import inspect
 import torch
 from torch import nn
 from transformers import PreTrainedConfig
+from transformers.modeling_layers import MtpModel
 from transformers.utils import logging
 
 from .absorption import forget_views
 from .capabilities import ATTN_NAME, requested_backend
 from .errors import UnsupportedModelError
-
-try:  # (Transformers' multi-token prediction, `generate(use_mtp=True)`; absent before it)
-    from transformers.modeling_layers import MtpModel
-except ImportError:
-    MtpModel = None
 
 logger = logging.get_logger("hf_flashinfer_mla")
 
@@ -200,8 +196,8 @@ def install_latent_hook(model_class: type) -> list[type]:
     if not hooked:
         raise UnsupportedModelError(
             f"{model_class.__name__} (module {model_class.__module__}) defines no MLA attention class with "
-            f"`expand_kv`: this Transformers version may predate the latent cache (needs >= 5.15), or the model's "
-            f"remote code (trust_remote_code) copies an older attention class. "
+            f"`expand_kv`: the model's remote code (trust_remote_code) copies an older attention class; load it "
+            f"without remote code. "
             f"Supported model types: {_supported_list()}."
         )
     return hooked
@@ -226,7 +222,7 @@ def _adopt(model, is_init_check: bool, original) -> str:
     text_config = check_model_supported(model.config)
     requested_backend(None, text_config)  # an unknown $HF_FLASHINFER_MLA_BACKEND fails at load, not at the first step
     if text_config is model.config:
-        if MtpModel is not None and isinstance(model, MtpModel):
+        if isinstance(model, MtpModel):
             # (its layers are the main model's decoder layers, built on the main model's config: the main model's
             # check hooked their attention class; MtpModel's own module defines none)
             return ATTN_NAME
