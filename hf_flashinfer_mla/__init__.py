@@ -9,15 +9,31 @@ instead of re-expanding the whole history into per-head keys and values on every
 
 import torch
 
-from . import buffers
-from .cache import MLALatentCache, MLALatentLayer
-from .buffers import multi_ctas_kv_counter_buffer
-from .capabilities import BACKENDS, ENV_VAR, backend_and_reason, choose_backend, trtllm_gen_supports_num_heads
-from .errors import BackendUnavailableError, CacheLayoutError, FlashInferMLAError, UnsupportedModelError
-from .kernels import fa, graphs
-from .kernels.graphs import CapturedShape, captured_shapes
-from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES
-from .registration import register
+from .errors import (
+    BackendUnavailableError,
+    CacheLayoutError,
+    FlashInferMLAError,
+    TransformersVersionError,
+    UnsupportedModelError,
+)
+from .supported import refusal
+
+try:
+    from . import buffers
+    from .cache import MLALatentCache, MLALatentLayer
+    from .buffers import multi_ctas_kv_counter_buffer
+    from .capabilities import BACKENDS, ENV_VAR, backend_and_reason, choose_backend, trtllm_gen_supports_num_heads
+    from .kernels import fa, graphs
+    from .kernels.graphs import CapturedShape, captured_shapes
+    from .models import ATTN_NAME, DENSE_MLA_MODEL_TYPES, SPARSE_MLA_MODEL_TYPES
+    from .registration import register
+except ImportError as error:
+    # A Transformers the package cannot run on at all lacks a module or a name it imports: one line naming the
+    # installed release and the fix, instead of the missing name deep inside.
+    if isinstance(error, TransformersVersionError) or not (error.name or "").startswith("transformers"):
+        raise
+    missing = f"it has no module {error.name}" if isinstance(error, ModuleNotFoundError) else str(error)
+    raise TransformersVersionError(refusal("hf_flashinfer_mla", missing.split(" (")[0])) from None
 
 __version__ = "0.1.0"
 
@@ -48,6 +64,7 @@ __all__ = [
     "FlashInferMLAError",
     "MLALatentCache",
     "MLALatentLayer",
+    "TransformersVersionError",
     "UnsupportedModelError",
     "backend_and_reason",
     "captured_shapes",

@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from . import capabilities
-from .errors import BackendUnavailableError
+from . import capabilities, registration
+from .errors import BackendUnavailableError, TransformersVersionError
 from .models import CHECKPOINT_MODEL_TYPES
 
 HEADS = (8, 16, 20, 24, 32, 64, 96, 128)
@@ -126,6 +126,11 @@ def main(argv=None) -> None:
 
     print(f"torch {torch.__version__}, transformers {_version('transformers')}, "
           f"flashinfer-python {_version('flashinfer-python')}, hf-flashinfer-mla {_version('hf-flashinfer-mla')}")
+    for feature in registration.UNAVAILABLE:  # (a Transformers outside the tested releases: what it refuses)
+        try:
+            registration.require(feature)
+        except TransformersVersionError as refusal:
+            print(refusal)
     if device.type == "cuda":
         cc = capabilities.device_capability(device)
         print(f"device {device}: {torch.cuda.get_device_name(device)}, compute capability {cc[0]}.{cc[1]}")

@@ -15,3 +15,10 @@ class BackendUnavailableError(FlashInferMLAError):
 
 class CacheLayoutError(FlashInferMLAError):
     """The cache handed the attention something other than the MLA latent."""
+
+
+class TransformersVersionError(FlashInferMLAError, ImportError):
+    """The installed Transformers lacks what this package changes in it, or has it in another shape than the releases
+    the package is tested with (`supported.TESTED`). Raised by ``import hf_flashinfer_mla`` where nothing can run,
+    and where a feature is asked for (continuous batching, the server) where only that feature cannot. An
+    ImportError too, so that code guarding the import catches it."""

@@ -87,6 +87,31 @@ def _model_manager_class():
     return MLAModelManager
 
 
+def loader_problem() -> str | None:
+    """Why this Transformers' model loader is not one `_AcceptsFlashinferMLA` fits (None where it is): it takes
+    ``continuous_batching`` and has `_validate_args` and `_load_model`, as 5.24's `ModelManager` and 5.25's
+    `ModelLoader` do (older releases' `ModelManager` takes no ``continuous_batching``)."""
+    loader = _ModelLoader or getattr(_transformers_model_manager, "ModelManager", None)
+    if loader is None:
+        return "cli.serving.model_manager has no ModelLoader or ModelManager"
+    missing = [f"{name}()" for name in ("_validate_args", "_load_model") if not callable(getattr(loader, name, None))]
+    if "continuous_batching" not in inspect.signature(loader.__init__).parameters:
+        missing.append("continuous_batching=")
+    return f"cli.serving.model_manager.{loader.__name__} takes no {', '.join(missing)}" if missing else None
+
+
+def _record_loader_problem() -> None:
+    """Record `loader_problem` where the package keeps what it cannot do on this Transformers."""
+    from . import registration
+
+    why = loader_problem()
+    if why is not None:
+        registration.UNAVAILABLE.setdefault(registration.SERVE, why)
+
+
+_record_loader_problem()
+
+
 def install() -> None:
     """What this package changes in Transformers' server (``serve_guards.py``, ``serve_recovery.py``; idempotent):
     run on import, so that every process of the server has it (the model's process and the API servers import this
@@ -136,8 +161,16 @@ def _check_command_line(options: dict) -> None:
     """Exit 2 with one line for what would otherwise fail with a traceback once the server starts loading."""
     import torch
 
+    from . import registration
     from .__main__ import device_problem
+    from .errors import TransformersVersionError
 
+    try:  # (a Transformers whose server or continuous batching this package does not fit: before anything loads)
+        registration.require(registration.SERVE)
+        if options.get("continuous_batching"):
+            registration.require(registration.CONTINUOUS_BATCHING, instead="serve without --continuous-batching")
+    except TransformersVersionError as error:
+        _fail(str(error))
     device = options["device"]
     if device != "auto" and not device.isdigit():
         problem = device_problem(device)
