@@ -144,6 +144,45 @@ class FakeRaggedPrefill:
         return out
 
 
+class FakeMLAWrapper:
+    """FlashInfer 0.7.4's public ``BatchMLAPagedAttentionWrapper`` as ``kernels/fa.py`` plans and runs it (releases
+    whose generated module it does not call, ``HF_FLASHINFER_MLA_FA_PLANNER=wrapper``): ``plan`` takes compact CSR
+    metadata (explicit page indices, page size 1, split layouts) and FlashInfer's own workload validator, which may
+    decline the plan as the real wrapper does; ``run`` computes it with a `FakeMLAModule` of its own. Every plan is
+    recorded (``plans``) and every instance (``instances``)."""
+
+    instances: list = []
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, *, backend, **graph_buffers):
+        assert backend in ("fa3", "fa2") and float_workspace_buffer.dtype == torch.uint8
+        self.backend, self.module = backend, FakeMLAModule(backend)
+        self.plans: list = []
+        self.runs = 0
+        FakeMLAWrapper.instances.append(self)
+
+    def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+             kv_data_type, query_layout, kv_cache_layout, scale_mode="default"):
+        assert (page_size, query_layout, kv_cache_layout, scale_mode) == (1, "split", "split", "default")
+        assert q_data_type == kv_data_type and (head_dim_ckv, head_dim_kpe) == tuple(capabilities.KERNEL_DIMS)
+        assert int(metadata.kv_indptr[-1]) == metadata.kv_indices.numel()  # compact CSR, explicit indices
+        _fa_common._validate_fa_plan_workload(metadata.qo_indptr, metadata.kv_len_arr, num_heads, causal,
+                                              metadata.kv_indices.device, self.backend, kv_data_type)
+        nbytes = 4 * (3 * metadata.kv_len_arr.numel() + 8)
+        self.workspace = torch.zeros(nbytes, dtype=torch.uint8)
+        self.info, _ = self.module.plan_with_staged_workspace_bytes(
+            self.workspace, self.workspace, torch.zeros(nbytes, dtype=torch.uint8), metadata.qo_indptr,
+            metadata.kv_indptr, metadata.kv_len_arr, num_heads, head_dim_ckv, causal)
+        self.kv_indices, self.scale, self.causal = metadata.kv_indices, sm_scale, causal
+        self.plans.append(metadata)
+
+    def run(self, *, query, kv_cache):
+        self.runs += 1
+        out = torch.empty_like(query[0])
+        self.module.run(self.workspace, self.workspace, self.info, *query, *kv_cache, self.kv_indices, out, None,
+                        int(self.causal), query[0].shape[1], 1, self.scale, False, 1.0, 1.0, None)
+        return out
+
+
 def _called_from(function: str) -> bool:
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != function:

@@ -3,22 +3,24 @@
 Kernel level: fa3 over an FP8 cache against the float64 reference over the same values dequantized. Model level: 64
 teacher-forced decode steps of the V2-Lite and V3 shapes with the FP8 cache against the bf16 latent cache; the bound
 is shown to be discriminating by a control that doubles the dequantization scales the kernel is given (wrapping
-``kernels.fa.run``, the launch of every fa3 layer, and asserting that it reached every decode layer). Skipped
-without CUDA.
+``kernels.fa.run``, the launch of every fa3 layer, and asserting that it reached every decode layer). Needs CUDA:
+the stand-ins read no FP8 latent (``tests/test_fp8_cache.py`` checks the cache and its dequantized reads on the CPU).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_backends import DEV, KERNEL_TOL, SHAPES, _available, _compare, _decode, _model, _teacher_forced, rel
+from gpu_suite import DEV, needs_cuda
+from test_gpu_backends import KERNEL_TOL, SHAPES, _available, _compare, _decode, _model, _teacher_forced, rel
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla.cache import FP8, latent_scales
 from hf_flashinfer_mla.kernels import fa
 from hf_flashinfer_mla.plan import StepPlan, decode_latent
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# (the stand-ins read no FP8 latent in place: their kernels' operands are float32)
+FP8_KERNEL = "FlashInfer's fa3 reading an FP8 latent in place (bf16 queries)"
 
 # FP8 e4m3 keeps 3 mantissa bits: ~4% relative error per cached value, which these random-weight models (near-tied
 # logits) amplify. Measured on an H200, FP8 vs bf16 cache: V2-Lite rel 9.4e-2 / top-1 0.85, V3 shape
@@ -27,6 +29,7 @@ FP8_LOGIT_TOL = 3e-1
 FP8_TOP1_MIN = 0.5
 
 
+@needs_cuda(FP8_KERNEL)
 @pytest.mark.parametrize("heads", [16, 128])
 def test_fa3_reads_fp8_latent_in_place(heads):
     _available("fa3")
@@ -69,6 +72,7 @@ def _fa_launches(monkeypatch, factor=1.0):
     return seen
 
 
+@needs_cuda(FP8_KERNEL)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_fp8_cache_64_steps_against_bf16_cache_with_control(shape, monkeypatch):
     _available("fa3")

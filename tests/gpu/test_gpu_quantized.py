@@ -1,7 +1,8 @@
 """An FP8 (block-quantized) kv_b_proj on the GPU: absorbed decode against eager on the same quantized weights.
 
 Transformers' FP8 matmul is a Hub kernel (absent offline); as in the CPU tests it is replaced by what it computes,
-dequantize + ``F.linear``, for eager and flashinfer_mla alike. Skipped without CUDA.
+dequantize + ``F.linear``, for eager and flashinfer_mla alike. Without CUDA it runs on the CPU stand-ins
+(``gpu_suite.py``).
 """
 
 from __future__ import annotations
@@ -9,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from test_absorption import _fake_fp8_linear, to_fp8_linear
-from test_gpu_backends import DEV, _compare, _model, _teacher_forced, yardstick
+from gpu_suite import CUDA, DEV, DTYPE, needs_cuda
+from test_gpu_backends import _compare, _model, _teacher_forced, yardstick
 from transformers import DynamicCache
 from transformers.integrations import finegrained_fp8
 
 from hf_flashinfer_mla import absorption
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_fp8_kv_b_proj_v3_teacher_forced_matches_eager(monkeypatch):
@@ -23,12 +23,12 @@ def test_fp8_kv_b_proj_v3_teacher_forced_matches_eager(monkeypatch):
     model = _model("v3")
     attn_modules = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
     for m in attn_modules:
-        m.kv_b_proj = to_fp8_linear(m.kv_b_proj, [128, 128]).to(DEV)
+        m.kv_b_proj = to_fp8_linear(m.kv_b_proj, [128, 128] if CUDA else [16, 16]).to(DEV)  # (CPU: a 32-wide latent)
     eager = _teacher_forced(model, DynamicCache(config=model.config))
     model.set_attn_implementation("flashinfer_mla")
     ours = _teacher_forced(model, DynamicCache(config=model.config))
     derived = [getattr(m.kv_b_proj, absorption._DENSE, None) for m in attn_modules]
-    assert all(d is not None and d.dtype == torch.bfloat16 for d in derived), "decode did not absorb kv_b_proj"
+    assert all(d is not None and d.dtype == DTYPE for d in derived), "decode did not absorb kv_b_proj"
     err, top1 = _compare(ours, eager)
     print(f"v3 FP8 kv_b_proj: flashinfer_mla vs eager rel {err:.2e} top1 {top1:.3f}")
     assert torch.isfinite(ours).all()
@@ -37,6 +37,7 @@ def test_fp8_kv_b_proj_v3_teacher_forced_matches_eager(monkeypatch):
     torch.cuda.empty_cache()
 
 
+@needs_cuda("Transformers quantizes to FP8 at load on a GPU only")
 def test_fp8_checkpoint_round_trip_quantize_and_dequantize_at_load(monkeypatch, tmp_path):
     """The checkpoint path users take: a model quantized to FP8 at load by Transformers (FineGrainedFP8Config), saved
     as an FP8 checkpoint, and that checkpoint loaded again with ``dequantize=True``: flashinfer_mla matches eager on
@@ -53,7 +54,7 @@ def test_fp8_checkpoint_round_trip_quantize_and_dequantize_at_load(monkeypatch, 
     for name, source, qconfig in (("fp8", "bf16", FineGrainedFP8Config(modules_to_not_convert=keep)),
                                   ("dequantized", "fp8", FineGrainedFP8Config(dequantize=True))):
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / source, quantization_config=qconfig, attn_implementation="eager", dtype=torch.bfloat16,
+            tmp_path / source, quantization_config=qconfig, attn_implementation="eager", dtype=DTYPE,
             device_map=DEV, use_kernels=False)  # (5.25 kernelizes by default from the Hub, offline here)
         kv_b = model.model.layers[0].self_attn.kv_b_proj
         assert (type(kv_b).__name__ == "FP8Linear") == (name == "fp8")

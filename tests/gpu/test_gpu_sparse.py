@@ -1,10 +1,10 @@
 """Sparse MLA (DSA) decode on a real GPU: FlashInfer's fa3/fa2 over the indexer's selection, against the float64
 reference on the same indices, and a DeepSeek-V3.2-shaped model against Transformers' eager (bf16).
 
-Skipped without CUDA. Where the decode path is observed or faulted: ``kernels.fa.run`` (every fa2/fa3 launch, with
-the layer's indices). The model-level bounds are checked to be discriminating: the same comparison with each
-query token's selection swapped for its most recent positions must fail them, and the control asserts that every
-decode layer of every step ran with the fault.
+Without CUDA the same tests run on the CPU stand-ins (``gpu_suite.py``). Where the decode path is observed or
+faulted: ``kernels.fa.run`` (every fa2/fa3 launch, with the layer's indices). The model-level bounds are checked to
+be discriminating: the same comparison with each query token's selection swapped for its most recent positions must
+fail them, and the control asserts that every decode layer of every step ran with the fault.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from gpu_suite import CUDA, DEV, DTYPE, RANK, ROPE, ROUNDING, sized
 from hf_flashinfer_mla import capabilities
 from hf_flashinfer_mla.kernels import fa, reference
 from hf_flashinfer_mla.plan import StepPlan, decode_latent
@@ -21,15 +22,12 @@ from hf_flashinfer_mla.rows import Rows
 from test_gpu_backends import Bounds
 from test_gpu_backends import _teacher_forced as backends_teacher_forced
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-DEV = torch.device("cuda")
 KERNELS = ["fa3", "fa2"]
-KERNEL_TOL = 2e-2  # bf16 operands against the float64 reference
+KERNEL_TOL = 2e-2 if CUDA else ROUNDING  # bf16 operands against the float64 reference
 
 
 def _available(backend, heads=128):
-    reason = capabilities.unavailable_reason(backend, DEV, torch.bfloat16, 512, 64, heads)
+    reason = capabilities.unavailable_reason(backend, DEV, DTYPE, RANK, ROPE, heads)
     if reason:
         pytest.skip(f"{backend}: {reason}")
 
@@ -55,8 +53,8 @@ def test_sparse_kernel_matches_float64_reference(backend, heads, q_len):
     g = torch.Generator(device=DEV).manual_seed(0)
     topk, lens, pad, cap = 2048, (300, 2047, 2600, 5000), (0, 7, 64, 1), 5200
     b, s = len(lens), max(p + n for p, n in zip(pad, lens))
-    kv = torch.randn(b, 1, cap, 512, device=DEV, dtype=torch.bfloat16, generator=g)[:, :, :s]
-    kr = torch.randn(b, 1, cap, 64, device=DEV, dtype=torch.bfloat16, generator=g)[:, :, :s]
+    kv = torch.randn(b, 1, cap, RANK, device=DEV, dtype=DTYPE, generator=g)[:, :, :s]
+    kr = torch.randn(b, 1, cap, ROPE, device=DEV, dtype=DTYPE, generator=g)[:, :, :s]
     mask = torch.zeros(b, 1, q_len, s, dtype=torch.bool, device=DEV)
     for i, (p, n) in enumerate(zip(pad, lens)):
         mask[i, 0, :, p:p + n] = True
@@ -64,8 +62,8 @@ def test_sparse_kernel_matches_float64_reference(backend, heads, q_len):
         kv[i, :, :p] = 1e4  # garbage where the mask hides
         kv[i, :, p + n:] = 1e4
     indices = _indexer_like(mask, topk, g)
-    q_lat = torch.randn(b, heads, q_len, 512, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
-    q_pe = torch.randn(b, heads, q_len, 64, device=DEV, dtype=torch.bfloat16, generator=g) * 0.05
+    q_lat = torch.randn(b, heads, q_len, RANK, device=DEV, dtype=DTYPE, generator=g) * 0.05
+    q_pe = torch.randn(b, heads, q_len, ROPE, device=DEV, dtype=DTYPE, generator=g) * 0.05
     rows = Rows(torch.tensor([p + n for p, n in zip(pad, lens)], dtype=torch.int32) - torch.tensor(pad,
                 dtype=torch.int32), q_len, torch.tensor(pad))
     step = StepPlan(mask, rows)
@@ -73,9 +71,9 @@ def test_sparse_kernel_matches_float64_reference(backend, heads, q_len):
     assert [route.backend for route in step.routes.values()] == [backend]
     h, n = heads, b * q_len
     oracle = reference.attend_sparse(
-        mask, indices, 0.07, q_lat.double().transpose(0, 1).reshape(h, n, 512),
-        q_pe.double().transpose(1, 2).reshape(n, h, 64), kv.double(), kr.double(),
-    ).view(h, b, q_len, 512).transpose(0, 1)
+        mask, indices, 0.07, q_lat.double().transpose(0, 1).reshape(h, n, RANK),
+        q_pe.double().transpose(1, 2).reshape(n, h, ROPE), kv.double(), kr.double(),
+    ).view(h, b, q_len, RANK).transpose(0, 1)
     err = rel(ours, oracle)
     print(f"sparse {backend} heads {heads} q_len {q_len}: rel err {err:.2e}")
     assert torch.isfinite(ours).all() and err < KERNEL_TOL
@@ -85,15 +83,14 @@ def test_sparse_kernel_matches_float64_reference(backend, heads, q_len):
 def _v32_model():
     """DeepSeek-V3.2's attention and indexer dims (128 heads, 512 + 64 latent, 64 indexer heads of 128), two dense
     layers, and an index_topk of 48 so that the selection matters at these contexts (37 to 128 tokens)."""
-    cfg = transformers.DeepseekV32Config(
+    cfg = transformers.DeepseekV32Config(**sized(
         vocab_size=4096, hidden_size=7168, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=128,
         num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
         v_head_dim=128, index_n_heads=64, index_head_dim=128, index_topk=48, first_k_dense_replace=2, n_group=1,
         topk_group=1, max_position_embeddings=8192, initializer_range=0.05, eos_token_id=None, pad_token_id=0,
-    )
+    ))
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
-                                                         dtype=torch.bfloat16).to(DEV).eval()
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=DTYPE).to(DEV).eval()
 
 
 def _teacher_forced(model, **kwargs):
@@ -146,7 +143,7 @@ def test_v32_teacher_forced_64_steps_match_eager_and_reference(v32, backend, mon
 def test_v32_bounds_catch_a_wrong_selection(v32, monkeypatch):
     """Each query token attending to its most recent `topk` visible positions instead of the indexer's choice must
     fail the bounds above; injected at every fa2/fa3 launch, and the control checks it ran there."""
-    backend = "fa3" if capabilities.unavailable_reason("fa3", DEV, torch.bfloat16, 512, 64, 128) is None else "fa2"
+    backend = "fa3" if capabilities.unavailable_reason("fa3", DEV, DTYPE, RANK, ROPE, 128) is None else "fa2"
     _available(backend)
     model, eager, _, bounds = v32
     faulted = []
