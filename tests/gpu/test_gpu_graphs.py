@@ -1,21 +1,22 @@
 """generate(cache_implementation="static") on the GPU as users run it: the decode step compiled by Transformers'
 default compile config (inductor, mode="reduce-overhead": CUDA graphs), in one process, for a sequence of batch
 sizes and lengths. The CPU analogue is ``tests/test_compile.py``
-(`test_compiled_static_generate_runs_the_graph_op_for_any_sequence_of_shapes`). Skipped without CUDA; run with
-``-s`` to print the compile counts and the error table.
+(`test_compiled_static_generate_runs_the_graph_op_for_any_sequence_of_shapes`). Run with ``-s`` to print the
+compile counts and the error table. Without CUDA the compiled steps run on the CPU stand-ins compiled with
+``aot_eager`` (``gpu_suite.compile_config``: the graph op and its slots reloaded before every step, nothing
+captured); the tests that count CUDA-graph recordings or GPU memory need CUDA.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_backends import DEV, _available, _compare, _model, yardstick
+from gpu_suite import CUDA, DEV, compile_config, fresh_process, needs_cuda
+from test_gpu_backends import _available, _compare, _model, yardstick
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_flashinfer_mla
 from hf_flashinfer_mla.kernels import fa, graphs, reference
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # (prompt lengths, left-padded into one batch; max_new_tokens): batch 1, 4, 16, then 1 again, with two different
 # max_new_tokens. Transformers 5.24 sizes each call's static cache to the largest length asked so far (prompt width +
@@ -38,6 +39,15 @@ def _batch(lengths, seed):
         ids[i, width - n:] = torch.randint(1, 4096, (n,), generator=g)
         mask[i, width - n:] = 1
     return ids.to(DEV), mask.to(DEV)
+
+
+@pytest.fixture(autouse=True)
+def _as_in_a_fresh_process():
+    """Every test here counts what its own calls compile, capture or record: each starts as in a fresh process, and
+    leaves its garbage collected for the next (`gpu_suite.fresh_process`)."""
+    fresh_process()
+    yield
+    fresh_process()
 
 
 def _fresh_v3():
@@ -85,6 +95,7 @@ def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
     inductor declined (``counters["inductor"]["cudagraph_skips"]``) is printed per call."""
     from torch._dynamo.utils import counters
 
+    bounds = yardstick("v3")  # (measured first: its reference run is not one of this test's steps)
     model = _fresh_v3()
     layers = model.config.num_hidden_layers
 
@@ -103,7 +114,7 @@ def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
         return real_build(backend, step, layer, into=into, staged=staged)
 
     def slot_run(self, *args):
-        slot_runs.append((self.backend, self.batch, torch.cuda.is_current_stream_capturing()))
+        slot_runs.append((self.backend, self.batch, CUDA and torch.cuda.is_current_stream_capturing()))
         return real_slot_run(self, *args)
 
     def counted_reference(*args):
@@ -122,7 +133,8 @@ def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
         graphs_before, skips_before = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
         loads_before, launches_before, runs_before = len(slot_loads), len(eager_launches), len(slot_runs)
         compiled = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                                  cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+                                  cache_implementation="static", compile_config=compile_config(), output_logits=True,
+                                  return_dict_in_generate=True)
         new_graphs = counters["stats"]["unique_graphs"] - graphs_before
         skips = counters["inductor"]["cudagraph_skips"] - skips_before
         compiles += new_graphs
@@ -148,7 +160,7 @@ def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
         assert loads >= new - 1  # every compiled decode step (after the prefill) reloaded its slot
         assert plain_launches == layers * (new - 1)  # the oracle ran fa3 eagerly on every decode layer
         assert torch.isfinite(ours).all()
-        assert err < yardstick("v3").rel
+        assert err < bounds.rel
     top1 = torch.cat(agree).float().mean().item()
     captured = {(backend, b) for backend, b, capturing in slot_runs if capturing}
     shapes = hf_flashinfer_mla.captured_shapes()
@@ -156,14 +168,16 @@ def test_compiled_static_generate_for_any_sequence_of_batch_sizes(monkeypatch):
     print(f"static generate: {compiles} compiles in all; top-1 agreement over all calls {top1:.3f}; "
           f"fa3 slots for batches {sorted(slots)}")
     assert compiles >= 1  # the decode step was compiled
-    assert {("fa3", 1), ("fa3", 4), ("fa3", 16)} <= captured  # CUDA graphs captured on fa3 slots, each batch size
+    if CUDA:  # (the stand-ins' compiled steps run the slots; nothing captures them)
+        assert {("fa3", 1), ("fa3", 4), ("fa3", 16)} <= captured  # CUDA graphs captured on fa3 slots, each batch
     assert {1, 4, 16} <= slots and all(shape.runs == "fa3" for shape in shapes)
     assert references == []  # no step, compiled or not, ran the reference backend
-    assert top1 >= yardstick("v3").top1
+    assert top1 >= bounds.top1
     del model
     torch.cuda.empty_cache()
 
 
+@needs_cuda("CUDA-graph recordings (a static input at another address records again)")
 def test_warmed_up_static_generate_records_no_cuda_graph(monkeypatch):
     """Every static-cache generate() builds a new static cache (Transformers 5.24), whose tensors are static inputs
     of the CUDA graphs: a call whose cache lands at other addresses records its graphs again, which costs more than
@@ -202,6 +216,7 @@ def test_warmed_up_static_generate_records_no_cuda_graph(monkeypatch):
     torch.cuda.empty_cache()
 
 
+@needs_cuda("CUDA-graph recordings (a static input at another address records again)")
 def test_a_static_cache_kept_across_calls_records_no_cuda_graph_after_the_first(monkeypatch):
     """The README's way to keep CUDA graphs replaying across static-cache generate() calls: one `StaticCache`, reset
     and passed to every call. With cache_implementation="static" Transformers builds a new cache per call, and where
@@ -256,6 +271,7 @@ def test_a_static_cache_kept_across_calls_records_no_cuda_graph_after_the_first(
     torch.cuda.empty_cache()
 
 
+@needs_cuda("the GPU memory reset() frees")
 def test_reset_frees_the_graph_buffers_and_generate_compiles_again():
     """`hf_flashinfer_mla.reset()` after a compiled static generate(): torch's CUDA graphs and the package's
     fixed-address buffers go (GPU memory drops by at least the float workspace FlashInfer's kernels share),
@@ -308,6 +324,11 @@ def test_generate_reading_its_stop_condition_a_step_late_matches_checking_every_
     DeferredStopCheck = generation.DeferredStopCheck
     if DeferredStopCheck is None:
         pytest.skip("this Transformers checks every step")
+    if not CUDA:  # the CUDA path on the CPU, as tests/test_deferred_stop.py runs it
+        from test_deferred_stop import HostEvent
+
+        monkeypatch.setattr(generation, "DEFERRED_STOP_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(torch, "Event", HostEvent)
     model = _fresh_v3()
     undone, finish = [], DeferredStopCheck.finish
 
@@ -322,7 +343,7 @@ def test_generate_reading_its_stop_condition_a_step_late_matches_checking_every_
     def run(eos=None):
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                               eos_token_id=eos, pad_token_id=0, cache_implementation=cache_implementation,
-                              output_logits=True, return_dict_in_generate=True)
+                              compile_config=compile_config(), output_logits=True, return_dict_in_generate=True)
 
     monkeypatch.setenv(generation.DEFER_STOP_ENV, "0")
     greedy = run().sequences[:, width:]
