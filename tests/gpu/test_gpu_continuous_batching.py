@@ -1,6 +1,8 @@
 """Continuous batching's paged decode on FlashInfer's fa3/fa2 (an H200), against the reference backend (bf16).
 
-Skipped without CUDA. Run with ``python -m pytest -q tests/gpu/test_gpu_continuous_batching.py -s``.
+Run with ``python -m pytest -q tests/gpu/test_gpu_continuous_batching.py -s``. Without CUDA the same tests run on the
+CPU stand-ins (``gpu_suite.py``), but for Transformers' CUDA graphs (``tests/test_continuous_batching_graphs.py``
+emulates them on the CPU).
 
 * kernel level: one step of decodes mixed with prefill chunks, its rows scattered over a paged cache, at 16 and 128
   heads, through FlashInfer's generated module and through its public wrapper (``HF_FLASHINFER_MLA_FA_PLANNER``);
@@ -14,23 +16,23 @@ Skipped without CUDA. Run with ``python -m pytest -q tests/gpu/test_gpu_continuo
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import transformers
+from gpu_suite import CUDA, DEV, DTYPE, RANK, ROPE, ROUNDING, kernel_backend, needs_cuda, sized
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_flashinfer_mla  # noqa: F401
 from hf_flashinfer_mla import capabilities, paged_attention
 from hf_flashinfer_mla.kernels import fa, ragged
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-DEV = torch.device("cuda")
-KERNEL_TOL = 2e-2  # bf16 operands, as tests/gpu/test_gpu_backends.py
+KERNEL_TOL = 2e-2 if CUDA else ROUNDING  # bf16 operands, as tests/gpu/test_gpu_backends.py
 
 
 def _available(backend, heads):
-    reason = capabilities.unavailable_reason(backend, DEV, torch.bfloat16, 512, 64, heads)
+    reason = capabilities.unavailable_reason(backend, DEV, DTYPE, RANK, ROPE, heads)
     if reason:
         pytest.skip(f"{backend}: {reason}")
 
@@ -42,14 +44,14 @@ def rel(a, b):
 def _mixed_step(heads, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     rows = 8192
-    cache = torch.randn(rows, 1, 576, generator=g, device=DEV, dtype=torch.bfloat16)
-    kv, rot = cache[:, :, :512].transpose(0, 1)[None], cache[:, :, 512:].transpose(0, 1)[None]
+    cache = torch.randn(rows, 1, RANK + ROPE, generator=g, device=DEV, dtype=DTYPE)
+    kv, rot = cache[:, :, :RANK].transpose(0, 1)[None], cache[:, :, RANK:].transpose(0, 1)[None]
     q_lens = torch.tensor([1, 37, 1, 1, 200, 1, 1])
     k_lens = torch.tensor([900, 37, 1, 2048, 700, 17, 333])
     table = torch.randperm(rows, generator=g, device=DEV)[: int(k_lens.sum())]
     n = int((q_lens == 1).sum())
-    q_lat = torch.randn(heads, n, 512, generator=g, device=DEV, dtype=torch.bfloat16)
-    q_pe = torch.randn(n, heads, 64, generator=g, device=DEV, dtype=torch.bfloat16)
+    q_lat = torch.randn(heads, n, RANK, generator=g, device=DEV, dtype=DTYPE)
+    q_pe = torch.randn(n, heads, ROPE, generator=g, device=DEV, dtype=DTYPE)
     return q_lens, k_lens, table, q_lat, q_pe, kv, rot
 
 
@@ -96,7 +98,7 @@ def _prefill(module, case, requested, scale):
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_ragged_prefill_against_sdpa(heads, grouped, monkeypatch):
-    if torch.cuda.get_device_capability() != (9, 0):
+    if capabilities.device_capability(DEV) != (9, 0):
         pytest.skip("fa3 ragged prefill needs SM90")
     _available("fa3", heads)
     model = _v3_shaped("flashinfer_mla", heads=heads)
@@ -105,10 +107,10 @@ def test_ragged_prefill_against_sdpa(heads, grouped, monkeypatch):
     q_lens = torch.tensor([37, 1, 200, 64, 1, 512])
     k_lens = torch.tensor([37, 900, 700, 1000, 17, 512])  # chunks after a past (200 of 700, 64 of 1000) and alone
     rows = 8192
-    cache = torch.randn(rows, 1, 576, generator=g, device=DEV, dtype=torch.bfloat16)
-    kv, rot = cache[:, :, :512].transpose(0, 1)[None], cache[:, :, 512:].transpose(0, 1)[None]
+    cache = torch.randn(rows, 1, RANK + ROPE, generator=g, device=DEV, dtype=DTYPE)
+    kv, rot = cache[:, :, :RANK].transpose(0, 1)[None], cache[:, :, RANK:].transpose(0, 1)[None]
     table = torch.randperm(rows, generator=g, device=DEV)[: int(k_lens.sum())]
-    query = torch.randn(1, heads, int(q_lens.sum()), 192, generator=g, device=DEV, dtype=torch.bfloat16)
+    query = torch.randn(1, heads, int(q_lens.sum()), module.qk_head_dim, generator=g, device=DEV, dtype=DTYPE)
     case = (q_lens, k_lens, table, query, kv, rot)
     if grouped:
         monkeypatch.setattr(ragged, "EXPANDED_BYTES", 1)  # every request a launch of its own
@@ -126,19 +128,18 @@ def test_ragged_prefill_against_sdpa(heads, grouped, monkeypatch):
 
 
 def _v3_shaped(attn, heads=16):
-    config = transformers.DeepseekV3Config(
+    config = transformers.DeepseekV3Config(**sized(
         vocab_size=512, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=heads, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
         topk_group=1, first_k_dense_replace=2, kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64,
         qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=4096, eos_token_id=None, pad_token_id=0,
-    )
+    ))
     torch.manual_seed(0)
-    return transformers.DeepseekV3ForCausalLM._from_config(config, attn_implementation=attn,
-                                                          dtype=torch.bfloat16).to(DEV).eval()
+    return transformers.DeepseekV3ForCausalLM._from_config(config, attn_implementation=attn, dtype=DTYPE).to(DEV).eval()
 
 
 def test_generate_batch_on_kernel_against_reference(monkeypatch):
-    backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
+    backend = kernel_backend()
     _available(backend, 16)
     model = _v3_shaped("flashinfer_mla")
     g = torch.Generator().manual_seed(1)
@@ -163,6 +164,8 @@ def test_generate_batch_on_kernel_against_reference(monkeypatch):
     assert first >= len(prompts) - 1 and same >= len(prompts) // 2  # bf16 near-ties may split a few late tokens
 
 
+@needs_cuda("Transformers' continuous-batching CUDA graphs captured and replayed "
+            "(tests/test_continuous_batching_graphs.py emulates them on the CPU stand-ins)")
 def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
     """Continuous batching with Transformers' CUDA graphs on the kernel: each padded shape is captured once and
     replayed, its schedule reloaded before every replay, and the tokens agree with the reference backend (which
@@ -171,7 +174,7 @@ def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
     token. Control: with the reload skipped, replays run a stale schedule and the tokens change."""
     from transformers.generation.continuous_batching import input_outputs
 
-    backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
+    backend = kernel_backend()
     _available(backend, 16)
     model = _v3_shaped("flashinfer_mla")
     g = torch.Generator().manual_seed(2)
@@ -232,9 +235,11 @@ def test_generate_batch_in_cuda_graphs_against_reference(monkeypatch):
 def _served_sparse(model, monkeypatch):
     """For the sparse tests below: `run(backend)` serves 8 prompts of 5 to 1,200 tokens (24 new each) through
     ``generate_batch`` with every decode requested on `backend` and returns each request's tokens; `topks` collects
-    the ``topk`` of every FlashInfer kernel call."""
+    the ``topk`` of every FlashInfer kernel call. On the CPU the long prompts are cut to 300 tokens (still several
+    windows and selections long, and prefilled in chunks), which the stand-ins' prefill attends in seconds."""
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (5, 300, 17, 1200, 64, 9, 700, 33)]
+    lengths = [n if CUDA else min(n, 300) for n in (5, 300, 17, 1200, 64, 9, 700, 33)]
+    prompts = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in lengths]
     gen = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(page_size=64, num_blocks=256, max_batch_tokens=512, max_requests_per_batch=8)
     topks = []
@@ -265,7 +270,7 @@ def test_sparse_model_under_continuous_batching_on_kernel_against_reference(monk
     tests/test_continuous_batching_sparse.py has that one.)"""
     from test_gpu_sparse import _v32_model
 
-    backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
+    backend = kernel_backend()
     _available(backend, 128)
     model = _v32_model()
     model.set_attn_implementation("flashinfer_mla")
@@ -291,32 +296,44 @@ def _dots3_model():
     """dots3's layers at their attention dims: DSA layers as DeepSeek-V3.2's (128 heads, 512 + 64 latent, 64 indexer
     heads of 128, ``index_topk`` 48) and sliding-window layers of its own (64 heads, a 1024 + 64 latent, which no
     FlashInfer MLA kernel takes: the reference), a window of 64 tokens, a sliding layer first; dense MLPs."""
-    cfg = transformers.Dots3NoteTextConfig(
+    cfg = transformers.Dots3NoteTextConfig(**sized(
         vocab_size=4096, hidden_size=2048, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=128,
         num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
         v_head_dim=128, head_dim=192, index_n_heads=64, index_head_dim=128, index_topk=48, sliding_window=64,
+        swa_num_attention_heads=64, swa_num_key_value_heads=64, swa_q_lora_rank=1024, swa_kv_lora_rank=1024,
+        swa_head_dim=256, swa_qk_nope_head_dim=192, swa_v_head_dim=128,
         layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
         mlp_layer_types=["dense"] * 4, max_position_embeddings=8192, initializer_range=0.05, eos_token_id=None,
         bos_token_id=None, pad_token_id=0,
-    )
+    ))
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flashinfer_mla",
-                                                         dtype=torch.bfloat16).to(DEV).eval()
+                                                         dtype=DTYPE).to(DEV).eval()
 
 
-def test_sliding_window_and_sparse_layers_under_continuous_batching_on_kernel_against_reference(monkeypatch):
-    """A dots3-shaped model served by ``generate_batch``: its DSA layers decode on the kernel over each request's
-    selected rows, its sliding-window layers on the reference over each request's gathered window (prompts of 5 to
-    1,200 tokens against a window of 64), against the same loop with every layer on the reference, compared on each
-    request's first 4 tokens. The bound is a yardstick of the same run, as for DeepSeek-V3.2 above: the kernel
-    against the reference with every row kept in both, less 2 requests."""
-    backend = "fa3" if torch.cuda.get_device_capability() == (9, 0) else "fa2"
+def test_sliding_window_and_sparse_layers_under_continuous_batching_on_kernel_against_reference(monkeypatch,
+                                                                                                 caplog):
+    """A dots3-shaped model served by ``generate_batch`` with the kernel forced for the whole model
+    (``$HF_FLASHINFER_MLA_BACKEND``, as a user forcing it for speed): its DSA layers decode on the kernel over each
+    request's selected rows, its sliding-window layers, whose latent the kernel does not take, on the reference over
+    each request's gathered window (prompts of 5 to 1,200 tokens against a window of 64) after one warning naming
+    their dims, against the same loop with every layer on the reference, compared on each request's first 4 tokens.
+    The bound is a yardstick of the same run, as for DeepSeek-V3.2 above: the kernel against the reference with
+    every row kept in both, less 2 requests."""
+    backend = kernel_backend()
     _available(backend, 128)
     model = _dots3_model()
     run, topks, prompts = _served_sparse(model, monkeypatch)
+    caplog.set_level(logging.WARNING, logger="hf_flashinfer_mla")
 
     ours, reference = run(backend), run("reference")
     assert topks and set(topks) == {48}, "the sparse kernel never ran (and only the DSA layers may run it)"
+    sliding = next(layer.self_attn for layer in model.model.layers if layer.self_attn.indexer is None)
+    fell_back = [r.getMessage() for r in caplog.records if "cannot run layers" in r.getMessage()]
+    assert fell_back == [f"flashinfer_mla: decode runs on the PyTorch reference backend because "
+                         f"mla_backend={backend!r} cannot run layers of kv_lora_rank {sliding.kv_lora_rank} + rope "
+                         f"{sliding.qk_rope_head_dim} (its kernels are built for {RANK} + {ROPE}); layers it can run "
+                         "stay on it."]
     first = sum(a[:4] == b[:4] for a, b in zip(ours, reference))
     for layer in model.model.layers:
         if layer.self_attn.indexer is not None:

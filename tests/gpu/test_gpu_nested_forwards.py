@@ -9,13 +9,16 @@ not read yet, or a step that took the nested forward's rows, would read wrong ro
 The oracle is the same generate() on the package's PyTorch reference backend (``$HF_FLASHINFER_MLA_BACKEND``, so
 that the nested forwards run it too), uncompiled, teacher-forced along our tokens; the bounds are the suite's
 (`test_gpu_backends.yardstick`). A control feeds the nested forward a mask without its padding and shows the same
-comparison fails. Skipped without CUDA; ``-s`` prints the errors.
+comparison fails. ``-s`` prints the errors. Without CUDA it runs on the CPU stand-ins, the static-cache
+generate() compiled with ``aot_eager`` (``gpu_suite.compile_config``): the planners' order there is the host's
+own, so only the GPU shows asynchronous copies ordered against the kernels.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gpu_suite import compile_config
 from helpers import SecondModelStepper
 from test_gpu_backends import _available, _compare, _model, yardstick
 from test_gpu_graphs import _batch, _Replay
@@ -25,8 +28,6 @@ from transformers.generation.logits_process import UnbatchedClassifierFreeGuidan
 import hf_flashinfer_mla
 from hf_flashinfer_mla.capabilities import ENV_VAR
 from hf_flashinfer_mla.kernels import fa, reference
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 PROMPTS = (37, 20, 64, 5, 48, 12, 26, 3)  # the main batch, left-padded
 NESTED = (9, 30, 3, 21, 14, 2, 27, 6)  # the negative prompts / the second model's batch: other widths and padding
@@ -79,8 +80,8 @@ def _run(nested, main, second, cache, nested_mask=None, follow=None):
         processors.append(_Replay(follow[0][:, width:], width))
         extra["disable_compile"] = True
     out = main.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                        cache_implementation=cache, output_logits=True, return_dict_in_generate=True,
-                        logits_processor=LogitsProcessorList(processors), **extra)
+                        cache_implementation=cache, compile_config=compile_config(), output_logits=True,
+                        return_dict_in_generate=True, logits_processor=LogitsProcessorList(processors), **extra)
     fed = torch.cat(recorder.fed, 1) if nested == "second-model" else None
     return out.sequences, torch.stack(out.logits, 1), torch.stack(recorder.logits, 1), fed
 
