@@ -151,18 +151,47 @@ def test_serving_within_a_time_limit_counts_what_finished_and_every_token_produc
 
 
 def test_parallel_gpu_suite_reports_every_collected_test_and_counts_a_cut_run_as_missing(tmp_path):
-    """``scripts/dev/gpu_suite_parallel.py`` on the CPU, where every GPU test skips: all collected tests are reported
-    (exit 0); with workers stopped before they start, every test is missing and the run fails (exit 1)."""
+    """``scripts/dev/gpu_suite_parallel.py`` on the CPU, over a few tests of ``tests/gpu`` (``-k``): those that run
+    on the stand-ins and one that skips without two GPUs, each worker's share last to first (``--reverse``). Every
+    collected test is reported (exit 0), and the workers' log names the order each ran; with workers stopped before
+    they start, every test is missing and the run fails (exit 1)."""
     import gpu_suite_parallel as gsp
 
-    assert gsp.main(["--workers", "2", "--out", str(tmp_path / "full")]) == 0
+    chosen = "test_gpu_sparse or test_multi_gpu"
+    collected = gsp.collect(chosen)
+    assert len(collected) >= 4 and any("test_multi_gpu" in n for n in collected)
+    assert gsp.main(["--workers", "2", "-k", chosen, "--reverse", "--out", str(tmp_path / "full")]) == 0
     summary = (tmp_path / "full" / "gpu_suite_summary.txt").read_text()
-    collected = len(gsp.collect())
-    assert collected > 100 and f"{collected} collected, {collected} skipped, 0 missing" in summary, summary
-    assert sorted(json.loads((tmp_path / "full" / "gpu_suite_durations.json").read_text())) == sorted(gsp.collect())
-    assert (tmp_path / "full" / "gpu_suite_workers.txt").exists()
+    reported = json.loads((tmp_path / "full" / "gpu_suite_durations.json").read_text())
+    assert sorted(reported) == sorted(collected)
+    counts = f"{len(collected)} collected, {len(collected) - 1} passed, 1 skipped, 0 missing"
+    assert f"(reversed): {counts}" in summary, summary
+    workers = (tmp_path / "full" / "gpu_suite_workers.txt").read_text()
+    for share in gsp.deal(collected, 2, {}, reverse=True):
+        assert "".join(f"   {n}\n" for n in share) in workers
     assert not list((tmp_path / "full").glob("worker*"))  # merged: a device call brings back at most 8 files
 
-    assert gsp.main(["--workers", "2", "--timeout", "0", "--out", str(tmp_path / "cut")]) == 1
+    assert gsp.main(["--workers", "2", "-k", chosen, "--timeout", "0", "--out", str(tmp_path / "cut")]) == 1
     cut = (tmp_path / "cut" / "gpu_suite_summary.txt").read_text()
-    assert f"{collected} missing" in cut and cut.count("MISSING ") == collected, cut
+    assert f"{len(collected)} missing" in cut and cut.count("MISSING ") == len(collected), cut
+
+
+def test_parallel_gpu_suite_deals_another_split_and_order_by_seed_or_reversed():
+    """The second run of the GPU suite runs it in another order: ``--reverse`` runs each worker's share last to
+    first; ``--seed`` deals another split of the same tests (reproducibly) and orders each share by the seed."""
+    import gpu_suite_parallel as gsp
+
+    nodes = [f"tests/gpu/test_x.py::test_{i}" for i in range(12)] + ["tests/gpu/test_x.py::test_graphs"]
+    suite = gsp.deal(nodes, 3, {})
+    assert sorted(n for share in suite for n in share) == sorted(nodes)
+    assert all(share == sorted(share, key=nodes.index) for share in suite)  # the suite's order
+    assert gsp.deal(nodes, 3, {}, reverse=True) == [share[::-1] for share in suite]
+    seeded = {seed: gsp.deal(nodes, 3, {}, seed=seed) for seed in range(4)}
+    assert all(sorted(n for share in s for n in share) == sorted(nodes) for s in seeded.values())
+    assert seeded[1] == gsp.deal(nodes, 3, {}, seed=1)
+
+    def split(shares):
+        return sorted(sorted(share) for share in shares)
+
+    assert any(split(s) != split(suite) for s in seeded.values())
+    assert any(share != sorted(share, key=nodes.index) for s in seeded.values() for share in s)
