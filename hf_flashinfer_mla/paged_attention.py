@@ -22,6 +22,7 @@ Under continuous batching the attention function receives every request's query 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from transformers.generation.continuous_batching.utils import stream_context
@@ -78,6 +79,7 @@ class PagedStep(Routing):
         # entries of the rows a forward reads (Transformers' padded read length)
         self.tables, self.read_end = tables, read_end
         self.launched = False  # its rows and graph slots are on the device (`launch`)
+        self.serial = 0  # the step's number in its cache (`prepare_step`): two in a row are in flight at once
         self.requests = q_lens.numel()
         self.graphed = graphed
         self.q_lens, self.k_lens = q_lens, k_lens  # [R] int64, host
@@ -193,7 +195,8 @@ def prepare_step(io) -> None:
     for allocator in io.cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
             capture = capturable and _graphs_still_hold(allocator)
-            allocator.step = PagedStep.of_batch(requests, allocator, tokens, capture, io.max_kv_read + tokens)
+            allocator.step = step = PagedStep.of_batch(requests, allocator, tokens, capture, io.max_kv_read + tokens)
+            step.serial, allocator.steps_prepared = allocator.steps_prepared, allocator.steps_prepared + 1
 
 
 def launch_steps(cache, stream) -> None:
@@ -359,7 +362,7 @@ def _prefill_groups(allocator, step: PagedStep, pending: list[int], module, quer
     groups = ragged.groups(step.q_lens, step.k_lens, step.cu_q, step.kv_offsets, pending, row_bytes, device)
     try:
         for i, group in enumerate(groups):
-            group.wrapper = allocator.prefill_wrappers.get(device, i)
+            group.wrapper = allocator.prefill_wrappers.get(device, i, step.serial % 2)
             ragged.plan(group.wrapper, step.q_lens[group.requests], step.k_lens[group.requests], heads, qk, vo,
                         scale, dtype)
     except Refused as exc:
@@ -415,19 +418,24 @@ def manager_checked(original):
     # batching cannot serve can raise (the loop turns any error into FAILED requests with empty outputs), and where
     # the model is at hand to decide its CUDA graphs. It keeps "flashinfer_mla" as a flash implementation (the name
     # contains "flash"), for which Transformers turns CUDA graphs and asynchronous batching on: graphs stay on for
-    # the decode steps of a model that `graph_refusal` admits, asynchronous batching goes (`paged_cache`).
+    # the decode steps of a model that `graph_refusal` admits, and asynchronous batching with them (`paged_cache`).
     @functools.wraps(original)
     def __init__(self, model, *args, **kwargs):
         refuse_unservable(model)
         if uses_latent(model.config.get_text_config()):
             paged_indexer.install(model)  # (a sparse model's indexers select per request)
+        asked = _arguments(original, self, model, *args, **kwargs).get("continuous_batching_config")
         original(self, model, *args, **kwargs)
         if uses_latent(self.model.config.get_text_config()):
             cb_config = self.continuous_batching_config
             why = graph_refusal(self.model, cb_config.page_size) if any(cb_config.cuda_graph_booleans) else None
-            resolve_graphs(cb_config, why)
+            resolve_graphs(cb_config, why, getattr(asked, "use_async_batching", None))
 
     return __init__
+
+
+def _arguments(function, *args, **kwargs) -> dict:
+    return inspect.signature(function).bind_partial(*args, **kwargs).arguments
 
 
 EMPTY_PROMPT = ("continuous batching was given an empty prompt: every request needs at least one input token (the "

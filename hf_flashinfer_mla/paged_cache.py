@@ -19,8 +19,7 @@ only. Its ``indexed_attention`` layers are full-attention layers to the paged ca
 ``paged_indexer.py`` selects each request's rows over them.
 
 The attention over these rows is ``paged_attention.py``; this module also holds what continuous batching refuses
-(`refuse_unservable`, `refuse_kept_cache`) and how it runs CUDA graphs and asynchronous batching
-(`resolve_graphs`).
+(`refuse_unservable`, `refuse_kept_cache`) and whether it runs CUDA graphs (`resolve_graphs`).
 """
 
 from __future__ import annotations
@@ -126,6 +125,7 @@ class LatentAllocator(FullAttentionCacheAllocator):
         self.index_dim = config.index_dim  # a sparse model's indexer key, after the latent
         self.row_width = 2 * self.head_dim  # the sizing view's head_dim: rank + rope (+ index), rounded up to even
         self.step = None  # the step being prepared or run (``paged_attention.PagedStep``)
+        self.steps_prepared = 0
         # The forward's read and write indices, as its layers' cache updates receive them (the indexer, which reads
         # and writes its keys in the same rows, is handed no keyword arguments)
         self.read_index: torch.Tensor | None = None
@@ -437,21 +437,18 @@ def forget_stale_prefixes(model, manager) -> None:
                     "manager cached prompt blocks; those blocks are dropped and their prompts prefilled again.")
 
 
-def resolve_graphs(cb_config, why: str | None) -> None:
-    """Continuous batching without asynchronous batching, and without CUDA graphs where `why` says why not (each
-    said once). Transformers turns asynchronous batching on with the graphs; it would have the host plan a step
-    while the GPU may still be copying the previous step's schedule from FlashInfer's pinned host buffer, which each
-    plan rewrites (``kernels/fa.py``, ``kernels/ragged.py``)."""
+def resolve_graphs(cb_config, why: str | None, async_asked: bool | None = None) -> None:
+    """Continuous batching without CUDA graphs where `why` says why not (said once). Asynchronous batching (the host
+    prepares and plans step N+1 while the GPU runs step N) stays as Transformers resolved it, which is on with the
+    graphs; where the graphs go, it goes too unless the caller asked for it (`async_asked`), as Transformers' own
+    rule has it. A step's plan needs only the lengths scheduled for it, and its device work is ordered on the
+    compute stream after the previous step's forward (``paged_attention.PagedStep.launch``)."""
     if why is not None and any(cb_config.cuda_graph_booleans):
         logger.warning_once(f"flashinfer_mla: continuous batching runs without CUDA graphs for this {ATTN_NAME} "
                             f"model: {why}.")
         cb_config.use_cuda_graph = (False, False)
-    if cb_config.use_async_batching:
-        logger.warning_once(
-            f"flashinfer_mla: continuous batching runs without asynchronous batching for {ATTN_NAME} models: the "
-            "host plans each step's paged MLA kernels after the previous step's tokens are known."
-        )
-        cb_config.use_async_batching = False
+        if async_asked is None:
+            cb_config.use_async_batching = False
 
 
 # ------------------------------------------------------------------------------------------------------------------

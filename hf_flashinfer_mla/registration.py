@@ -142,7 +142,7 @@ SEAMS = (
     Seam(_PM, "get_compiled_call", compiled.slots_checked_before_compiled_steps, "5.24, 5.25",
          "a compiled step raises for a step its CUDA-graph slots cannot serve", GENERATE, ("self", "compile_config")),
     Seam(_CB.ContinuousBatchingManager, "__init__", paged_attention.manager_checked, "5.24, 5.25",
-         "refuses unservable models in the caller's thread; decides CUDA graphs; async batching off",
+         "refuses unservable models in the caller's thread; decides CUDA graphs (and async batching with them)",
          CONTINUOUS_BATCHING, ("self", "model", "generation_config", "continuous_batching_config"), entry=True),
     Seam(_CB.ContinuousBatchingManager, "switch_to_cb_friendly_attn", paged_attention.latent_attention_kept,
          "5.24, 5.25", "would set a multimodal model whose wrapper runs eager to paged|eager, its MLA text model too",

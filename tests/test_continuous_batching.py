@@ -241,28 +241,30 @@ def test_odd_latent_width_rounds_up():
     assert allocator.row_width == 28 and allocator.bytes_per_page == 4 * 28 * 4
 
 
-def test_graphs_turned_off_once_with_their_reason_and_async_batching_always(caplog):
-    """`resolve_graphs` turns CUDA graphs off only with a reason, said once; asynchronous batching always goes."""
+def test_graphs_turned_off_once_with_their_reason_and_async_batching_with_them_unless_asked(caplog):
+    """`resolve_graphs` turns CUDA graphs off only with a reason, said once. Asynchronous batching stays as resolved
+    while graphs stay; where they go, it goes too (Transformers' own rule: async with graphs), unless it was
+    asked for."""
     cb = ContinuousBatchingConfig(use_cuda_graph=True, use_async_batching=True)
     paged_cache.resolve_graphs(cb, None)
-    assert cb.cuda_graph_booleans == (True, True) and cb.use_async_batching is False
+    assert cb.cuda_graph_booleans == (True, True) and cb.use_async_batching is True
     paged_cache.resolve_graphs(cb, "its decode runs on reference")
-    paged_cache.resolve_graphs(ContinuousBatchingConfig(use_cuda_graph=(True, False)), "its decode runs on reference")
-    assert cb.cuda_graph_booleans == (False, False)
+    assert cb.cuda_graph_booleans == (False, False) and cb.use_async_batching is False
+    asked = ContinuousBatchingConfig(use_cuda_graph=(True, False), use_async_batching=True)
+    paged_cache.resolve_graphs(asked, "its decode runs on reference", async_asked=True)
+    assert asked.cuda_graph_booleans == (False, False) and asked.use_async_batching is True
     said = package_warnings(caplog)
     assert len([m for m in said if "without CUDA graphs" in m and "runs on reference" in m]) == 1
-    assert len([m for m in said if "without asynchronous batching" in m]) == 1
 
 
 @pytest.mark.parametrize("asked", [None, True])
-def test_a_manager_whose_decode_runs_on_the_reference_runs_neither_graphs_nor_async_batching(asked, monkeypatch,
-                                                                                             caplog):
+def test_a_manager_whose_decode_runs_on_the_reference_runs_no_graphs_and_async_batching_only_if_asked(
+        asked, monkeypatch, caplog):
     """Where a graph backend exists (emulated here: this host has none), Transformers turns CUDA graphs on for a
     "flash" implementation and asynchronous batching with them. A model whose decode runs on the PyTorch reference
     (as here: no FlashInfer kernel on this host) is planned on the host every step, so the manager turns graphs off,
-    saying why; async batching goes too, or the host would plan a step while the GPU may still read the previous
-    one's schedule. Transformers' own resolution decides both on (the fault this guards against); the manager's
-    resolved config has both off, whether async was left to Transformers or asked for."""
+    saying why, and asynchronous batching with them unless the caller asked for it. Transformers' own resolution
+    decides both on (the fault this guards against)."""
     from transformers.generation.continuous_batching import initialization
 
     monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
@@ -274,9 +276,8 @@ def test_a_manager_whose_decode_runs_on_the_reference_runs_neither_graphs_nor_as
     manager = model.init_continuous_batching(generation_config=greedy(),
                                              continuous_batching_config=small_cb(use_async_batching=asked))
     ours = manager.continuous_batching_config
-    assert ours.cuda_graph_booleans == (False, False) and ours.use_async_batching is False
+    assert ours.cuda_graph_booleans == (False, False) and ours.use_async_batching is bool(asked)
     said = package_warnings(caplog)
-    assert len([m for m in said if "without asynchronous batching" in m]) == 1
     assert len([m for m in said if "without CUDA graphs" in m and "runs on reference" in m]) == 1
 
 

@@ -53,8 +53,8 @@ def test_prefill_chunks_on_ragged_prefill_match_eager(fake_hopper, monkeypatch, 
     per_launch = [p["qo_indptr"].numel() - 1 for p in plans]
     if grouped:  # one request per launch, and a wrapper per group of a step, kept by the cache
         assert set(per_launch) == {1} and len(fake_hopper.ragged) >= 2
-    else:  # a step's prefill requests in one launch
-        assert max(per_launch) >= 2 and len(fake_hopper.ragged) == 1
+    else:  # a step's prefill requests in one launch, on the one wrapper of its set (consecutive steps: two sets)
+        assert max(per_launch) >= 2 and len(fake_hopper.ragged) == 2
 
 
 def test_ragged_prefill_control_misaligned_causal_fails(fake_hopper, monkeypatch):

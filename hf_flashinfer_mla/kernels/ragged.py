@@ -44,16 +44,18 @@ def wrapper_class():
 
 
 class Wrappers:
-    """The ragged-prefill wrappers of one paged cache: its step's group ``g`` plans wrapper ``g``. Each has its own
-    integer workspace (a plan copies its schedule there, asynchronously, from its pinned host buffer: continuous
-    batching reads each step's tokens on the host before it plans the next, so a schedule is never overwritten
-    while the GPU still reads it); all share the device's float workspace, as the decode kernels of a step do."""
+    """The ragged-prefill wrappers of one paged cache: group ``g`` of a step of parity ``p`` plans wrapper ``(p,
+    g)``. Each has its own integer workspace, to which a plan copies its schedule asynchronously from the wrapper's
+    pinned host buffer. Under asynchronous batching the host plans step N+1 while the GPU may not yet have run step
+    N's copy, so consecutive steps take the two sets in turn: a set is planned again only once the host has read
+    the tokens of its last step, which its copy preceded. All share the device's float workspace, as the decode
+    kernels of a step do."""
 
     def __init__(self):
         self._wrappers: dict[tuple, list] = {}
 
-    def get(self, device: torch.device, group: int):
-        pool = self._wrappers.setdefault((device,), [])
+    def get(self, device: torch.device, group: int, parity: int = 0):
+        pool = self._wrappers.setdefault((device, parity), [])
         while len(pool) <= group:
             pool.append(wrapper_class()(workspace_buffer(device), kv_layout="NHD", backend="fa3"))
         return pool[group]
@@ -95,8 +97,11 @@ def groups(q_lens: torch.Tensor, k_lens: torch.Tensor, cu_q: torch.Tensor, kv_of
 def plan(wrapper, q_lens: torch.Tensor, k_lens: torch.Tensor, heads: int, qk_head_dim: int, v_head_dim: int,
          scale: float, dtype: torch.dtype) -> None:
     """Plan `wrapper` for one group (host lengths, no sync); `Refused` where FlashInfer declines it."""
-    qo_indptr = torch.zeros(q_lens.numel() + 1, dtype=torch.int32)
-    kv_indptr = torch.zeros(k_lens.numel() + 1, dtype=torch.int32)
+    # (in pinned memory on a GPU: the wrapper copies them to the device, and a copy from pageable memory would wait
+    # for the stream, i.e. for the step the GPU is still running under asynchronous batching)
+    pinned = getattr(getattr(wrapper, "device", None), "type", None) == "cuda"
+    qo_indptr = torch.zeros(q_lens.numel() + 1, dtype=torch.int32, pin_memory=pinned)
+    kv_indptr = torch.zeros(k_lens.numel() + 1, dtype=torch.int32, pin_memory=pinned)
     qo_indptr[1:], kv_indptr[1:] = q_lens.cumsum(0), k_lens.cumsum(0)
     try:
         wrapper.plan(qo_indptr, kv_indptr, heads, heads, qk_head_dim, v_head_dim, causal=True, sm_scale=scale,
