@@ -14,6 +14,12 @@ off). Modes, in one run:
                            (``paged_attention.graph_pays``)
   cb-flashinfer_mla-no-graphs
                            the same with use_cuda_graph=False: every step runs the package's Python per layer
+  cb-flashinfer_mla-sync   the same without asynchronous batching (the host prepares a step once it has read the
+                           previous step's tokens)
+  cb-flashinfer_mla-token-indices
+                           the same without asynchronous batching and with every request's rows listed by
+                           Transformers token by token in Python each step (``paged_cache.ROWS_FROM_BLOCK_TABLES``
+                           off), instead of laid out from the block tables: the A/B of both
   cb-sdpa                  the same with attn_implementation="sdpa": Transformers' own paging of the MLA latent
                            (its MLACacheAllocator, 5.25+; skipped before), its own defaults for CUDA graphs and
                            asynchronous batching (5.25: both off for sdpa, which needs an attention mask); never
@@ -54,7 +60,7 @@ import bench_common as bc
 
 MODES = ("cb-flashinfer_mla", "cb-flashinfer_mla-decode-graphs", "cb-flashinfer_mla-no-graphs", "cb-sdpa",
          "generate-flashinfer_mla", "generate-sdpa")
-AB_MODES = ("cb-flashinfer_mla-sdpa-prefill",)
+AB_MODES = ("cb-flashinfer_mla-sdpa-prefill", "cb-flashinfer_mla-sync", "cb-flashinfer_mla-token-indices")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -87,15 +93,19 @@ def progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr)
 
 
-def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, mixed_graphs=True) -> dict:
+def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, mixed_graphs=True,
+           asynchronous=None, token_indices=False) -> dict:
+    from loop_split import LoopSplit
     from step_split import StepSplit
 
-    from hf_flashinfer_mla import paged_attention
+    from hf_flashinfer_mla import paged_attention, paged_cache
     from hf_flashinfer_mla.kernels import ragged
 
     # The A/B switches: with no head dims "supported", paged_attention.py prefills every chunk on SDPA (its
     # fallback); with graph_pays admitting only steps in which every request decodes, mixed steps run uncompiled.
+    loop = LoopSplit(device).install() if args.loop_split and attn == "flashinfer_mla" else None
     supported, pays, prepare = ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step
+    paged_cache.ROWS_FROM_BLOCK_TABLES = not token_indices
     if sdpa_prefill:
         ragged.supported_dims = lambda qk, vo: False
     if not mixed_graphs:
@@ -118,15 +128,20 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, 
 
     paged_attention.prepare_step = counted
     try:
-        got = _run_cb(model, attn, prompts, args, device, graphs)
+        got = _run_cb(model, attn, prompts, args, device, graphs, asynchronous)
         if steps["steps"]:
             got["setup"].update(steps)
         if split is not None:
             split.discard()
             got["setup"]["step_split"] = split.report(got["wall_s"])
+        if loop is not None:
+            got["setup"]["loop_split"] = loop.report()
         return got
     finally:
         ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step = supported, pays, prepare
+        paged_cache.ROWS_FROM_BLOCK_TABLES = True
+        if loop is not None:
+            loop.uninstall()
 
 
 def produced_by_running(manager, running) -> list[tuple[str, int, list[float]]]:
@@ -147,7 +162,7 @@ def produced_by_running(manager, running) -> list[tuple[str, int, list[float]]]:
             if r in states and states[r].generated_tokens]
 
 
-def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
+def _run_cb(model, attn, prompts, args, device, graphs: bool, asynchronous: bool | None = None) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model.set_attn_implementation(attn)
@@ -157,7 +172,8 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool) -> dict:
     # measure sdpa.
     cb = ContinuousBatchingConfig(page_size=args.cb_page_size, max_batch_tokens=args.cb_max_batch_tokens,
                                   max_memory_percent=args.cb_memory, num_blocks=args.cb_num_blocks,
-                                  auto_switch_to_flash=False, use_cuda_graph=None if graphs else False)
+                                  auto_switch_to_flash=False, use_cuda_graph=None if graphs else False,
+                                  use_async_batching=asynchronous)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     resolved = manager.continuous_batching_config
     setup = {"attn_implementation": model.config._attn_implementation,
@@ -281,7 +297,10 @@ def run(mode, model, prompts, args, device) -> dict:
     kind, attn = mode.split("-", 1)
     prefill_ab, graphs = attn.endswith("-sdpa-prefill"), not attn.endswith("-no-graphs")
     mixed_graphs = not attn.endswith("-decode-graphs")
-    attn = attn.removesuffix("-sdpa-prefill").removesuffix("-no-graphs").removesuffix("-decode-graphs")
+    token_indices = attn.endswith("-token-indices")
+    asynchronous = False if attn.endswith(("-sync", "-token-indices")) else None
+    for suffix in ("-sdpa-prefill", "-no-graphs", "-decode-graphs", "-sync", "-token-indices"):
+        attn = attn.removesuffix(suffix)
     why = unpageable(attn) if kind == "cb" else None
     if why:
         return {**rec, "status": "skipped", "message": why}
@@ -291,7 +310,7 @@ def run(mode, model, prompts, args, device) -> dict:
     try:
         if kind == "cb":
             got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab, graphs=graphs,
-                         mixed_graphs=mixed_graphs)
+                         mixed_graphs=mixed_graphs, asynchronous=asynchronous, token_indices=token_indices)
             rec.update(got["setup"])
         else:
             got = run_static(model, attn, prompts, args, device)
@@ -348,6 +367,10 @@ def parse_args(argv=None):
                    help="cb flashinfer_mla modes: time every step (device synchronized at its ends) and profile the "
                         "uncompiled ones' GPU-busy time; report per kind of step and the bound on what CUDA graphs for "
                         "them could gain (step_split.py)")
+    p.add_argument("--loop-split", action="store_true",
+                   help="cb flashinfer_mla modes: each step's wall time split into Transformers' scheduling and batch "
+                        "preparation, the package's step plan, the forward, the wait for the GPU and the request "
+                        "updates, timed on the generation thread, with the step's GPU span (loop_split.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
     p.add_argument("--device", default="cuda")
@@ -386,6 +409,11 @@ def main(argv=None) -> int:
             bound = "none" if split["graph_bound"] is None else f"{split['graph_bound']:.3f}x"
             print(f"    uncompiled steps' host share {split['saveable_s']:.2f} s of "
                   f"{split['wall_s_without_profiler']:.2f} s: graphs for them gain at most {bound}", flush=True)
+        if rec.get("loop_split"):
+            for kind, r in rec["loop_split"]["kinds"].items():
+                phases = ", ".join(f"{p} {ms:.2f}" for p, ms in r["phases_ms"].items())
+                gpu = f", GPU span {r['gpu_span_ms']:.2f} ms" if "gpu_span_ms" in r else ""
+                print(f"    {kind}: {r['steps']} steps, {r['wall_ms']:.2f} ms each{gpu} ({phases})", flush=True)
         bc.write_json(args.out, name, payload)
     rows = []
     for r in payload["results"]:

@@ -10,12 +10,14 @@ on one process and one cache, for a decode step of R requests with C cached toke
 
 * ``prepare``: ``prepare_batch_tensors`` (Transformers' loop and this package's seam after it), host only;
 * ``launch``: the step's device work (the rows written into the cache's rows buffer); on a CPU it runs on the host
-  too, on a GPU it is a few kernel launches.
+  too, on a GPU (``--device cuda``) it is a few kernel launches, timed on the host (the device is synchronized
+  between steps, outside the timed parts).
 
-Nothing but the host runs: a tiny latent width (the host work depends on requests and rows, not on their width)
-and Transformers' default pages of 256 tokens. Prints a table and writes JSON under ``--out``.
+No model runs: a tiny latent width (the host work depends on requests and rows, not on their width) and
+Transformers' default pages of 256 tokens. Prints a table and writes JSON under ``--out``.
 
     python scripts/bench_step_prep.py --requests 16 256 --contexts 1024 2048 4096 8192
+    python scripts/bench_step_prep.py --device cuda
 """
 
 from __future__ import annotations
@@ -54,15 +56,15 @@ def latent_config():
     return config
 
 
-def build(requests: int, context: int, page_size: int):
+def build(requests: int, context: int, page_size: int, device: torch.device = torch.device("cpu")):
     config = latent_config()
     blocks = requests * (-(-(context + 1) // page_size)) + 8
     cb = ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks, max_batch_tokens=max(256, requests),
                                   max_memory_percent=0.5, max_blocks_per_request=0)
     cb.max_requests_per_batch = requests
-    cache = PagedAttentionCache(config, cb, "cpu", DistributedHelper(None, None), dtype=torch.bfloat16)
+    cache = PagedAttentionCache(config, cb, device, DistributedHelper(None, None), dtype=torch.bfloat16)
     processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList())
-    io = ContinuousBatchingIOs(cache, config, cb, torch.device("cpu"), torch.bfloat16, processors)
+    io = ContinuousBatchingIOs(cache, config, cb, device, torch.bfloat16, processors)
     states = create_warmup_future_states(requests, RequestStatus.DECODING, 1, context - 1, cache)
     if len(states) != requests:
         raise SystemExit(f"the cache holds {len(states)} of {requests} requests of {context} tokens")
@@ -73,11 +75,16 @@ def one_step(cache, io, processors, states, context: int) -> tuple[float, float]
     for fs in states:  # (prepare_batch_tensors advances each request: put it back at the same step)
         fs.state.position_offset = context - 1
         fs.state.tokens_to_process = [0]
+    if io.device.type == "cuda":
+        torch.cuda.synchronize(io.device)
     t0 = time.perf_counter()
     io.prepare_batch_tensors(states, processors, False, len(states), len(states) * (context - 1), False)
     t1 = time.perf_counter()
-    paged_attention.launch_steps(cache, None)
-    return t1 - t0, time.perf_counter() - t1
+    paged_attention.launch_steps(cache, io.compute_stream)
+    t2 = time.perf_counter()
+    if io.device.type == "cuda":
+        torch.cuda.synchronize(io.device)
+    return t1 - t0, t2 - t1
 
 
 def main() -> None:
@@ -87,14 +94,16 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--page-size", type=int, default=256, help="tokens per page (Transformers' default: 256)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per mode and cell (median reported)")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    device = torch.device(args.device)
 
     rows = []
     for requests in args.requests:
         for context in args.contexts:
-            cache, io, processors, states = build(requests, context, args.page_size)
+            cache, io, processors, states = build(requests, context, args.page_size, device)
             times = {mode: ([], []) for mode in MODES}
             expected = None
             for i in range(args.steps + 2):  # (the first two rounds warm up)
@@ -103,8 +112,8 @@ def main() -> None:
                     prep, launch = one_step(cache, io, processors, states, context)
                     step = next(a.step for a in cache.cache_allocators.values() if hasattr(a, "step"))
                     allocator = next(a for a in cache.cache_allocators.values() if hasattr(a, "step"))
-                    laid = allocator.rows[: step.pages.end] if step.tables is not None else \
-                        io.read_index_storage[allocator.index, : step.pages.end]
+                    laid = (allocator.rows[: step.pages.end] if step.tables is not None else
+                            io.read_index_storage[allocator.index, : step.pages.end]).cpu()
                     if expected is None:
                         expected = laid.clone()
                     elif not torch.equal(laid, expected):  # both ways must name the same rows
@@ -121,10 +130,11 @@ def main() -> None:
             rows.append(row)
             print(f"R={requests:4d} C={context:5d}: token indices {row['token-indices_prepare_ms']:8.2f} ms, "
                   f"block tables {row['block-tables_prepare_ms']:6.2f} ms (+ {row['block-tables_launch_ms']:.2f} ms "
-                  f"laying out rows on this CPU)", flush=True)
+                  f"laying out rows on {device.type})", flush=True)
 
     print("\nHost time to prepare one decode step (median of %d, ms; page size %d)" % (args.steps, args.page_size))
-    print("| requests | context | rows | token indices | block tables | ratio | block tables: rows laid out |")
+    print(f"| requests | context | rows | token indices | block tables | ratio | block tables: rows laid out "
+          f"({device.type}) |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['requests']} | {r['context']} | {r['rows']:,} | {r['token-indices_prepare_ms']:.2f} | "
@@ -132,9 +142,10 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
-            "page_size": args.page_size, "steps": args.steps}
-    (out / "step_prep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"\nwrote {out / 'step_prep.json'}")
+            "page_size": args.page_size, "steps": args.steps, "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    (out / f"step_prep_{device.type}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\nwrote {out / f'step_prep_{device.type}.json'}")
 
 
 if __name__ == "__main__":

@@ -195,3 +195,39 @@ def test_parallel_gpu_suite_deals_another_split_and_order_by_seed_or_reversed():
 
     assert any(split(s) != split(suite) for s in seeded.values())
     assert any(share != sorted(share, key=nodes.index) for s in seeded.values() for share in s)
+
+def test_step_prep_lays_out_the_same_rows_both_ways_and_reports_both(tmp_path, monkeypatch, capsys):
+    """bench_step_prep.py times a decode step's preparation with Transformers' read indices and with the block
+    tables on one cache, and stops if the two name different rows."""
+    import bench_step_prep
+
+    monkeypatch.setattr(sys, "argv", ["bench_step_prep.py", "--requests", "3", "--contexts", "300", "600",
+                                      "--steps", "1", "--out", str(tmp_path)])
+    bench_step_prep.main()
+    rows = json.loads((tmp_path / "step_prep_cpu.json").read_text())["rows"]
+    assert [(r["requests"], r["context"], r["rows"]) for r in rows] == [(3, 300, 900), (3, 600, 1800)]
+    assert all(r["token-indices_prepare_ms"] > 0 and r["block-tables_prepare_ms"] > 0 for r in rows)
+    assert "| 3 | 600 | 1,800 |" in capsys.readouterr().out
+
+
+def test_loop_split_accounts_every_step_of_the_cb_modes(tmp_path):
+    """bench_serving.py --loop-split: each step's wall time split into phases on the generation thread, each phase
+    timed once (a phase's own time excludes the phases it calls), the package's step plan among them; the A/B modes
+    (without asynchronous batching; with Transformers' read indices) run beside the default one."""
+    import bench_serving
+
+    args = ["--model", "tiny", "--requests", "4", "--prompt-min", "3", "--prompt-max", "9", "--new", "3",
+            "--cb-num-blocks", "64", "--cb-page-size", "16", "--cb-max-batch-tokens", "16", "--no-progress",
+            "--loop-split", "--modes", "cb-flashinfer_mla", "cb-flashinfer_mla-sync", "cb-flashinfer_mla-token-indices"]
+    assert bench_serving.main(args + CPU + ["--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "serving_tiny.json").read_text())["results"]
+    assert [r["status"] for r in results] == ["ok"] * 3
+    for r in results:
+        kinds = r["loop_split"]["kinds"]
+        assert sum(k["steps"] for k in kinds.values()) == r["steps"]
+        for k in kinds.values():
+            phases = k["phases_ms"]
+            assert set(phases) == set(r["loop_split"]["phases"]) and min(phases.values()) >= 0
+            assert abs(sum(phases.values()) - k["wall_ms"]) < 1e-6 * max(1.0, k["wall_ms"]) + 1e-3
+            assert phases["forward"] > 0 and phases["step plan"] > 0 and phases["batch tensors"] > 0
+    assert results[0]["async_batching"] is False  # (a CPU: Transformers runs it on an accelerator only)

@@ -44,6 +44,13 @@
 #                                              # what graphs for them could gain (bench_serving.py --step-split), on
 #                                              # SPLIT_MODELS ("deepseek-v2-lite deepseek-v3-attn"), steps of at most
 #                                              # SPLIT_TOKENS tokens (Transformers' 8192)
+#   bash scripts/dev/gpu_round.sh serving-ab   # 256 requests at once, DeepSeek-V3's attention shape and V2-Lite
+#                                              # (AB_MODELS): rows from the block tables with asynchronous batching,
+#                                              # without it, and Transformers' read indices without it, each step's
+#                                              # wall time split on the generation thread (loop_split.py); each mode
+#                                              # within AB_LIMIT s (120)
+#   bash scripts/dev/gpu_round.sh step-prep    # host time to prepare one decode step at 16/256 requests x 1k-8k
+#                                              # tokens: Transformers' read indices against the block tables
 #   bash scripts/dev/gpu_round.sh serving-sparse # DeepSeek-V3.2's attention with its indexer, 64 requests of 4k-32k
 #                                              # tokens: continuous batching against generate() on batches of 8
 #                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each within a
@@ -67,16 +74,18 @@
 # as it ends (the device tool brings back at most 8 files per call, and a call stopped at its limit keeps them).
 # COMMIT=<sha> names the revision in env.txt where the tree's .git may not match it (a copied working tree).
 #
-# The device machine is offline: the devkit (FlashInfer's sources with kernels compiled ahead of time, and the
-# Transformers wheels; ../shared/devkit/README.md) travels with the call as .devkit/, carried: `carry: [".devkit"]`.
+# Needs a CUDA GPU with the package's dependencies: FlashInfer with the kernels the runs use (fa3/fa2 MLA decode;
+# the FP8 latent's and continuous batching's prefill modules, listed by scripts/dev/devkit_modules.py) and
+# Transformers, plus the test and bench extras. FlashInfer compiles a kernel on its first use; a GPU machine that
+# cannot (no compiler, or no network for Transformers) gets them from a .devkit/ folder in the checkout (below).
 set -uo pipefail
 
 ROOT=$(pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
-# The devkit: .devkit/kit.tgz (FlashInfer, apache-tvm-ffi and the precompiled kernels, unpacked to /tmp/kit/site)
-# and .devkit/wheels/*.whl (Transformers and what it needs beyond the image, installed to /tmp/site), ahead of the
-# tree on PYTHONPATH. Without .devkit/ the machine's own packages run (a GPU host with network access).
+# .devkit/kit.tgz (FlashInfer, apache-tvm-ffi and kernels compiled ahead of time, unpacked to /tmp/kit/site) and
+# .devkit/wheels/*.whl (Transformers and what it needs beyond the machine's packages, installed to /tmp/site), ahead
+# of the tree on PYTHONPATH. Without .devkit/ the machine's own packages run.
 devkit() {
   if [ ! -d "$ROOT/.devkit" ]; then
     echo "no .devkit/: the installed FlashInfer and Transformers run"
@@ -96,7 +105,7 @@ devkit() {
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
 MODES="suite host grid kernel prefill generate depth serving serving-cb serving-cb16 serving-cb256 serving-cb256-v3"
-MODES="$MODES serving-mixed serving-mixed512 serving-arrivals serving-vs-sdpa serving-split"
+MODES="$MODES serving-mixed serving-mixed512 serving-arrivals serving-vs-sdpa serving-split serving-ab step-prep"
 MODES="$MODES serving-v3 serving-sparse sparse fp8 tp tp-bench bench"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then usage; exit $(( $# == 0 ? 2 : 0 )); fi
 for m in "$@"; do
@@ -284,6 +293,25 @@ mode_serving_split() {
       --modes cb-flashinfer_mla-decode-graphs --step-split --name "serving_cb_${m}_256_split${SPLIT_TOKENS:-}.json"
   done
   grep -v "Loading\|[Ww]arn" "$D/$MODE.log" | tail -40
+}
+
+# 256 requests at once (prompts of 128-4,096 tokens, 256 new): the default path (rows from the block tables,
+# asynchronous batching) against the same without asynchronous batching and against Transformers' token-by-token read
+# indices without it, each step's wall time split on the generation thread (--loop-split); AB_MODELS, AB_LIMIT (s).
+mode_serving_ab() {
+  local m
+  for m in ${AB_MODELS:-deepseek-v3-attn deepseek-v2-lite}; do
+    run $((3 * ${AB_LIMIT:-120} + 120)) python3 scripts/bench_serving.py --model "$m" --no-progress --out "$D" \
+      --modes cb-flashinfer_mla cb-flashinfer_mla-sync cb-flashinfer_mla-token-indices --loop-split \
+      --time-limit "${AB_LIMIT:-120}" --name "serving_cb_${m}_256_ab.json"
+  done
+  show 40
+}
+
+# Host time to prepare one decode step, Transformers' read indices against the block tables (no model runs).
+mode_step_prep() {
+  run 240 python3 scripts/bench_step_prep.py --device cuda --out "$D"
+  show 16
 }
 
 mode_serving_v3() {
