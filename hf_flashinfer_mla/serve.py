@@ -10,8 +10,10 @@ is pickled there, and unpickling `MLAModelLoader` imports this module, so the mo
 ``flashinfer_mla`` and gets this module's changes too (importing it installs them, idempotently). They are:
 
 * the command line: ``--attn-implementation`` defaults to ``flashinfer_mla`` (any other value is passed through
-  unchanged); ``--max-model-len`` exists on every Transformers version; a device this machine lacks, a model path
-  that does not exist and other bad values are one line and exit status 2, before anything loads;
+  unchanged); ``--max-model-len`` exists on every Transformers version; ``--api-key`` (or ``HF_FLASHINFER_MLA_API_KEY``)
+  makes requests send a key; a device this machine lacks, a model path that does not exist and other bad values are
+  one line and exit status 2, before anything loads, as are the server's packages missing (the install that brings
+  them named);
 * with ``--continuous-batching``, a model continuous batching cannot serve (see ``paged_cache.refuse_unservable``) fails
   when it is loaded (at server start for a model named on the command line), not at its first request;
 * requests checked, answers capped at the context, and a continuous-batching worker that dies replaced
@@ -22,19 +24,40 @@ is pickled there, and unpickling `MLAModelLoader` imports this module, so the mo
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import sys
 import typing
 from typing import Annotated
 
-from transformers.cli.serving import model_manager as _transformers_model_manager
-from transformers.utils import logging
-
-from . import paged_cache, serve_guards, serve_recovery
-from .models import ATTN_NAME
+from transformers.utils.import_utils import is_serve_available
 
 PROG = "python -m hf_flashinfer_mla.serve"
+INSTALL_SERVE = 'pip install -e ".[serve]"'
+
+
+def _serving_packages_missing() -> str:
+    """Transformers' serving code imports its web packages unconditionally: without them it fails with an ImportError
+    about one of its own names, naming neither the packages nor the install that brings them."""
+    missing = [name for name in ("fastapi", "uvicorn", "pydantic", "openai") if importlib.util.find_spec(name) is None]
+    return (f"the server needs {', '.join(missing) or 'the packages of transformers[serving]'}, not installed: "
+            f"{INSTALL_SERVE} in this repository's checkout (without FlashInfer: pip install "
+            '"transformers[serving]")')
+
+
+if not is_serve_available():
+    if __name__ == "__main__":
+        print(f"{PROG}: error: {_serving_packages_missing()}", file=sys.stderr)
+        sys.exit(2)
+    raise ImportError(_serving_packages_missing())
+
+from transformers.cli.serving import model_manager as _transformers_model_manager  # noqa: E402
+from transformers.utils import logging  # noqa: E402
+
+from . import paged_cache, serve_guards, serve_recovery  # noqa: E402
+from .models import ATTN_NAME  # noqa: E402
+
 logger = logging.get_logger("hf_flashinfer_mla")
 
 
@@ -141,20 +164,15 @@ def _check_model_type(model: str, attn: str) -> None:
     would fail with two tracebacks). A Hub id is checked when it loads, where its config is."""
     from transformers import AutoConfig
 
-    from .errors import UnsupportedModelError
-    from .models import check_model_supported
-
     if attn != ATTN_NAME or not os.path.isfile(os.path.join(os.path.expanduser(model), "config.json")):
         return
     try:
         config = AutoConfig.from_pretrained(os.path.expanduser(model))
     except Exception:  # noqa: BLE001  (a config Transformers cannot read: its own loading reports it)
         return
-    try:
-        check_model_supported(config)
-    except UnsupportedModelError:
-        _fail(f"FORCE_MODEL {model}: model_type \"{config.model_type}\" is not a Multi-head Latent Attention model, "
-              f"which --attn-implementation {ATTN_NAME} serves; serve it with --attn-implementation sdpa (or eager)")
+    why = serve_guards.unservable(config, attn)
+    if why is not None:
+        _fail(f"FORCE_MODEL {model}: {why}; serve it with --attn-implementation sdpa (or eager)")
 
 
 def _check_command_line(options: dict) -> None:
@@ -181,7 +199,7 @@ def _check_command_line(options: dict) -> None:
     model = options.get("force_model")
     if model:
         repo = model[: model.rindex(":")] if model.endswith(".gguf") and ":" in model else model
-        local = os.path.isabs(repo) or repo.startswith((".", "~")) or repo.count("/") > 1 or "\\" in repo
+        local = serve_guards.looks_local(repo)
         expanded = os.path.expanduser(repo)
         if os.path.isdir(expanded):
             if repo == model and not os.path.isfile(os.path.join(expanded, "config.json")):
@@ -209,8 +227,11 @@ def _check_command_line(options: dict) -> None:
         _fail(f"--api-server-count {count}: give at least 1, and a model on the command line (FORCE_MODEL) for more")
     if model:
         _check_model_type(model, attn)
+    if options.get("api_key") == "":
+        _fail("--api-key is empty: give the key clients must send (Authorization: Bearer <key>), or leave it out")
 
 
+_LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 HELP = f"""Serve MLA models (DeepSeek-V2/V3/V3.2, Kimi-K2, GLM, ...) through an OpenAI-compatible API, with
 {ATTN_NAME} attention: Transformers' own server (transformers serve) with this package registered.
 
@@ -228,7 +249,11 @@ at its first request. --continuous-batching serves concurrent requests from one 
 checked: a field the server cannot honour gets a 400 naming it.
 
 \b
-Install the server's packages with the package: pip install -e ".[serve]" (in this repository's checkout).
+--api-key (or the environment variable {serve_guards.API_KEY_ENV}, which keeps the key out of the process list):
+requests must send "Authorization: Bearer <key>" (else a 401); /health stays open.
+
+\b
+Install the server's packages with the package: {INSTALL_SERVE} (in this repository's checkout).
 """
 
 
@@ -256,6 +281,13 @@ def _command():
                 f"Attention implementation: {ATTN_NAME} (this package's, for MLA models), or eager, sdpa, "
                 "flash_attention_2/3, flex_attention or a Hub kernel id, passed to Transformers."))])
         changed.append(parameter)
+        if parameter.name == "port":
+            changed.append(inspect.Parameter(
+                "api_key", inspect.Parameter.KEYWORD_ONLY, default=None,
+                annotation=Annotated[str | None, typer.Option(show_default=False, help=(
+                    "The key every request must send as 'Authorization: Bearer <key>' (a 401 otherwise; /health "
+                    f"stays open). Also read from ${serve_guards.API_KEY_ENV}, which keeps it out of the process "
+                    "list."))]))
         if parameter.name == "model_timeout" and "max_model_len" not in names:  # (Transformers <= 5.24)
             changed.append(inspect.Parameter(
                 "max_model_len", inspect.Parameter.KEYWORD_ONLY, default=None,
@@ -266,6 +298,13 @@ def _command():
 
     def serve(**options):
         _check_command_line(options)
+        key = options.pop("api_key")
+        if key is not None:  # (the environment reaches every process of the server: its API servers check it)
+            os.environ[serve_guards.API_KEY_ENV] = key
+        if not os.environ.get(serve_guards.API_KEY_ENV) and options.get("host") not in _LOCAL_HOSTS:
+            print(f"{PROG}: warning: --host {options.get('host')} without an API key: anyone who reaches port "
+                  f"{options.get('port')} can use the server (and /reset its models); set {serve_guards.API_KEY_ENV} "
+                  "or --api-key", file=sys.stderr)
         if not options.get("force_model"):
             print(f"{PROG}: no model given: each request names its model (a checkpoint directory or a Hub id), "
                   "loaded at its first request", file=sys.stderr)

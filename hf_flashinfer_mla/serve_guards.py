@@ -9,10 +9,19 @@ takes the server down (and a continuous-batching worker that an error killed is 
   without it), streamed or not; ``n`` > 1 gives n choices (n requests through the same queue, which share the
   prompt's cached blocks); the fields Transformers accepts and ignores (``logprobs``, ``presence_penalty``,
   ``response_format``, ...) are refused with a 400 naming them where they would change the answer (`_IGNORED`);
+* sampling as OpenAI defines it (`sampling_settings`, `engine_sampling`): ``temperature`` 0 is greedy and above 0
+  samples, whatever the checkpoint's generation config says, with or without continuous batching (whose engine starts
+  sampling and takes every request's temperature, top-k and top-p); a seeded request samples what generate() samples
+  under that seed; what continuous batching cannot apply (a penalty, ``logit_bias``, most ``generation_config``
+  settings, a seed for a sample) is refused there, naming the field;
 * answers (`cap_new_tokens`): ``max_tokens`` (or ``max_completion_tokens``, ``max_output_tokens``), given or not, is
   capped at the context (``--max-model-len``, else the model's ``max_position_embeddings``) minus the prompt, and an
   answer stopped there has ``finish_reason`` ``"length"`` (Transformers' default is 1,024 new tokens whatever the
-  context).
+  context); streams of chat completions and completions end with ``data: [DONE]``;
+* models a request names: one that cannot be read gets a 404 (``model_not_found``), one this server cannot serve a
+  400, each naming the model and the fix;
+* with a key in ``HF_FLASHINFER_MLA_API_KEY`` (``--api-key`` sets it), a request without ``Authorization: Bearer
+  <key>`` gets a 401; ``/health`` stays open.
 
 `install` puts them in place, idempotently (`INSTALLED` marks what it installed).
 """
@@ -22,6 +31,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import secrets
 
 from transformers.cli.serving import model_manager as _transformers_model_manager
 from transformers.cli.serving import utils as _serving_utils
@@ -36,17 +47,18 @@ INSTALLED = "_flashinfer_mla"
 # Requests: what is refused, and how errors are answered
 # --------------------------------------------------------------------------------------------------------------
 class RequestError(ValueError):
-    """A request the server refuses: answered with `status` and OpenAI's error body, naming the field `param`."""
+    """A request the server refuses: answered with `status` and OpenAI's error body, naming the field `param` (and
+    OpenAI's error `code`, where it has one)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
 
-def _error_response(message: str, status: int, kind: str, param: str | None = None):
+def _error_response(message: str, status: int, kind: str, param: str | None = None, code: str | None = None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status)
 
 
@@ -164,11 +176,34 @@ def honoured(handler, body: dict) -> tuple[list[str], int]:
     n = body.get("n") or 1
     if n > 1 and body.get("stream"):
         raise RequestError("`n` > 1 is answered without streaming: send stream false, or n requests", "n")
-    sampling = body.get("temperature") != 0 and (body.get("temperature") is not None or body.get("top_p") is not None)
-    if body.get("seed") is not None and sampling and _continuous_batching(handler):
-        raise RequestError("`seed` cannot be honoured under continuous batching, whose requests share one random "
-                           "stream: leave it out, or serve without --continuous-batching", "seed")
+    if _continuous_batching(handler):
+        _check_continuous_batching_applies(body)
     return stops or [], n
+
+
+# What continuous batching applies of a request: its max_new_tokens, end of sequence, and sampling (temperature, top_k,
+# top_p: `engine_sampling`). Transformers drops the rest there, where generate() would apply it.
+_CONTINUOUS_BATCHING_SETTINGS = {"max_new_tokens", "eos_token_id", "do_sample", "temperature", "top_k", "top_p"}
+_NOT_UNDER_CONTINUOUS_BATCHING = (
+    ("frequency_penalty", lambda v: v not in (None, 0)),
+    ("logit_bias", lambda v: bool(v)),
+)
+
+
+def _check_continuous_batching_applies(body: dict) -> None:
+    instead = "leave it out, or serve without --continuous-batching"
+    if body.get("seed") is not None and body.get("temperature") != 0:
+        raise RequestError("`seed` cannot be honoured under continuous batching, whose requests share one random "
+                           f"stream: send temperature 0 (greedy), or {instead}", "seed")
+    for field, asks in _NOT_UNDER_CONTINUOUS_BATCHING:
+        if asks(body.get(field)):
+            raise RequestError(f"`{field}` is not applied under continuous batching: {instead}", field)
+    if body.get("generation_config") is not None:  # (a JSON object: `_check_request`)
+        for name in json.loads(body["generation_config"]):
+            if name not in _CONTINUOUS_BATCHING_SETTINGS:
+                raise RequestError(f"`generation_config.{name}` is not applied under continuous batching, which "
+                                   f"takes {', '.join(sorted(_CONTINUOUS_BATCHING_SETTINGS))}: {instead}",
+                                   f"generation_config.{name}")
 
 
 def _cut(text: str, stops: list[str]) -> int | None:
@@ -265,6 +300,33 @@ def _event(data: dict, text: str, finish_reason: str | None = None) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def _ended_with_done(handler, response):
+    """A chat completion's or a completion's stream, ending with ``data: [DONE]`` as OpenAI's do (clients read up to
+    it); Transformers ends them without. (A Responses stream ends with its ``response.completed`` event.)"""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+
+    streams = isinstance(handler, (ChatCompletionHandler, CompletionHandler)) and hasattr(response, "body_iterator")
+    if not streams or response.status_code != 200:
+        return response
+    source = response.body_iterator
+
+    async def events():
+        last = ""
+        try:
+            async for chunk in source:
+                text = chunk if isinstance(chunk, str) else chunk.decode()
+                last = text if text.strip() else last
+                yield chunk
+            if not last.rstrip().endswith("data: [DONE]"):  # (a release that sends it already)
+                yield "data: [DONE]\n\n"
+        finally:
+            await source.aclose()  # (the server's own stream cancels its generation when closed)
+
+    response.body_iterator = events()
+    return response
+
+
 async def _n_choices(handle_request, handler, body: dict, args: tuple, kwargs: dict, n: int):
     """n answers to one request, as n requests at once (their own ids; a `seed` gives each its own, seed + i), merged
     into one answer of n choices: usage counts the prompt once and every choice's tokens."""
@@ -327,9 +389,9 @@ def _answering_errors(handle_request):
             if stops and response.status_code == 200:
                 streamed = hasattr(response, "body_iterator")
                 response = _stopped_stream(response, stops) if streamed else _stopped_json(response, stops)
-            return response
+            return _ended_with_done(self, response)
         except RequestError as error:
-            return _error_response(str(error), error.status, "invalid_request_error", error.param)
+            return _error_response(str(error), error.status, "invalid_request_error", error.param, error.code)
         except HTTPException as error:  # Transformers' own refusals (unknown fields, ...): same shape
             return _error_response(str(error.detail), error.status_code, "invalid_request_error")
         except _engine_dead_errors():
@@ -427,6 +489,393 @@ def _install_answer_caps() -> None:
                 setattr(cls, name, wrap(method))
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Sampling as OpenAI defines it, with or without continuous batching
+# --------------------------------------------------------------------------------------------------------------
+# Transformers sets a request's temperature but leaves `do_sample` as the checkpoint's generation config has it: on a
+# checkpoint that does not sample, temperature 1 is greedy. Its continuous batching samples, or not, as the checkpoint
+# says, for every request, and of a request's temperature, top_k and top_p applies only those the checkpoint's config
+# made processors for: on a checkpoint that samples, temperature 0 (sent as top_k 1, which no processor takes) samples.
+NO_TOP_K = 2**31 - 1  # a per-request top-k that keeps every token (the engine clamps it to the vocabulary)
+_SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
+
+
+def sampling_settings(body: dict, settings: dict) -> dict:
+    """`settings` (``do_sample``, ``temperature``, ``top_k``, ``top_p``: the checkpoint's generation config with the
+    request's ``generation_config`` on top) as the request asks, OpenAI's way: ``temperature`` 0 is greedy and above 0
+    samples at that temperature, whatever the checkpoint's config says; ``top_p`` without a temperature samples at the
+    checkpoint's (1 if it has none); a request that asks neither generates as the checkpoint does. Sampling keeps
+    every token unless a top_k is set (the checkpoint's or the request's: OpenAI has none, and generate()'s default of
+    50 would apply otherwise)."""
+    temperature = body.get("temperature")
+    if temperature is not None:
+        settings["do_sample"] = temperature > 0
+        if temperature > 0:
+            settings["temperature"] = float(temperature)
+    elif body.get("top_p") is not None:
+        settings["do_sample"] = True
+    if settings.get("temperature") == 0:  # (a generation_config's temperature 0 too)
+        settings["do_sample"] = False
+    if settings.get("do_sample") and not settings.get("top_k"):
+        settings["top_k"] = 0
+    return settings
+
+
+def engine_sampling(settings: dict) -> dict:
+    """What continuous batching's per-request processors take for `settings` (`sampling_settings`): every request sets
+    all three, greedy as the one most likely token left to draw."""
+    temperature = settings.get("temperature")
+    if not settings.get("do_sample") or temperature == 0:
+        return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    top_k, top_p = settings.get("top_k"), settings.get("top_p")
+    return {"temperature": 1.0 if temperature is None else float(temperature), "top_k": int(top_k or NO_TOP_K),
+            "top_p": 1.0 if top_p is None else float(top_p)}
+
+
+def _sampling_engine_config(generation_config):
+    """A copy of the checkpoint's generation config with which continuous batching samples and takes a temperature, a
+    top-k and a top-p from each request: Transformers makes each of these processors only where the config's value
+    changes something, and every request sets all three (`engine_sampling`), so these values are never used."""
+    import copy
+
+    config = copy.deepcopy(generation_config)
+    config.do_sample, config.temperature, config.top_k, config.top_p = True, 0.5, NO_TOP_K, 0.5
+    return config
+
+
+def _generation_kwargs_sampled(build):
+    """`BaseHandler._build_generation_kwargs(body, model_generation_config)` (5.25+), sampling as the request asks."""
+
+    @functools.wraps(build)
+    def wrapper(self, body, *args, **kwargs):
+        return sampling_settings(body, build(self, body, *args, **kwargs))
+
+    setattr(wrapper, INSTALLED, True)
+    return wrapper
+
+
+_SEED = "_flashinfer_mla_seed"  # a request's seed, on its generation config (5.24)
+
+
+def _generation_config_sampled(build):
+    """`BaseHandler._build_generation_config(body, model_generation_config, use_cb)` (5.24), sampling as the request
+    asks. It seeded torch's generator itself, on the event loop, while generate() runs on the inference thread after
+    the requests queued before it (n choices seeded seed, seed + 1, ... all drew from the last seed): the seed rides on
+    the config instead, set on the inference thread just before its generate() (`_seeded_where_generated`)."""
+
+    @functools.wraps(build)
+    def wrapper(self, body, *args, **kwargs):
+        config = build(self, {name: value for name, value in body.items() if name != "seed"}, *args, **kwargs)
+        for name, value in sampling_settings(body, {name: getattr(config, name) for name in _SAMPLING}).items():
+            setattr(config, name, value)
+        if body.get("seed") is not None:
+            setattr(config, _SEED, int(body["seed"]))
+        return config
+
+    setattr(wrapper, INSTALLED, True)
+    return wrapper
+
+
+def _seeded_where_generated(method):
+    """`GenerateManager.generate_(non_)streaming(model, processor, inputs, gen_config, ...)` (5.24): the request's seed
+    is set on the inference thread, queued right before its generate() (both queued in the same step of the event
+    loop, so no other request's generate() comes between)."""
+
+    @functools.wraps(method)
+    def call(self, model, processor, inputs, gen_config, *args, **kwargs):
+        seed = getattr(gen_config, _SEED, None)
+        if seed is not None:
+            self.submit(_serving_utils.set_torch_seed, seed)
+        return method(self, model, processor, inputs, gen_config, *args, **kwargs)
+
+    setattr(call, INSTALLED + "_seed", True)
+    return call
+
+
+def _engine_started_sampling(start):
+    """`CBGenerateRunner._start_continuous_batching(model, cb_config, context_length)` (5.25+): the manager it starts
+    (`model.init_continuous_batching`, with the model's generation config) gets `_sampling_engine_config` instead."""
+
+    @functools.wraps(start)
+    def wrapper(self, model, *args, **kwargs):
+        config = _sampling_engine_config(model.generation_config)
+        model.init_continuous_batching = functools.partial(type(model).init_continuous_batching, model,
+                                                           generation_config=config)
+        try:
+            return start(self, model, *args, **kwargs)
+        finally:
+            del model.init_continuous_batching  # (the instance's: the class's own is back)
+
+    setattr(wrapper, INSTALLED, True)
+    return wrapper
+
+
+def _per_request(supported: dict, settings: dict) -> dict:
+    sampling = engine_sampling(settings)
+    missing = [name for name in sampling if name not in supported]
+    if missing:  # (a manager not started by `_engine_started_sampling`)
+        raise ValueError(f"Continuous batching cannot set {', '.join(missing)} per request here: serve without "
+                         "--continuous-batching")
+    return {name: supported[name](value) for name, value in sampling.items()}
+
+
+def _batching_kwargs_sampled(build):
+    """`CBGenerateRunner._build_continuous_batching_kwargs(generation_kwargs)` (5.25+): the request's temperature, top-k
+    and top-p, all three, greedy or sampling (`engine_sampling`)."""
+
+    @functools.wraps(build)
+    def wrapper(self, generation_kwargs):
+        batching_kwargs = build(self, generation_kwargs)
+        batching_kwargs.update(_per_request(self.manager.logit_processor.supported_keys, generation_kwargs))
+        logger.debug(f"Continuous batching sampling of the request: {batching_kwargs}")
+        return batching_kwargs
+
+    setattr(wrapper, INSTALLED, True)
+    return wrapper
+
+
+def _install_sampling_524(manager_class) -> None:
+    """Transformers 5.24's `CBGenerateManager` starts its worker with the first request's generation config (every
+    later request samples as that one did) and adds each request with its max_new_tokens and end of sequence only.
+    The worker starts with `_sampling_engine_config` and per-request processors; each request's sampling
+    (`engine_sampling` of its generation config) is kept by request id from its `generate_(non_)streaming` call to its
+    `add_request`, which the worker's own method takes it in."""
+    from transformers import ContinuousBatchingConfig
+
+    original_init_cb = manager_class.init_cb
+    original_streaming, original_non_streaming = manager_class.generate_streaming, manager_class.generate_non_streaming
+
+    def kept(self) -> dict:
+        return vars(self).setdefault("_flashinfer_mla_sampling", {})
+
+    @functools.wraps(original_init_cb)
+    def init_cb(self, model, gen_config):
+        if self._cb is not None:
+            return original_init_cb(self, model, gen_config)
+        self._cb_config = self._cb_config if self._cb_config is not None else ContinuousBatchingConfig()
+        self._cb_config.per_request_processors = True
+        original_init_cb(self, model, _sampling_engine_config(model.generation_config))
+        worker = self._cb
+        add_request = worker.add_request
+
+        @functools.wraps(add_request)
+        def add_request_sampled(input_ids, *args, request_id=None, **kwargs):
+            sampling = kept(self).pop(request_id, None)
+            if sampling is not None:
+                kwargs.update(_per_request(worker.logit_processor.supported_keys, sampling))
+            return add_request(input_ids, *args, request_id=request_id, **kwargs)
+
+        worker.add_request = add_request_sampled
+
+    @functools.wraps(original_streaming)
+    def generate_streaming(self, model, processor, inputs, gen_config, request_id, *args, **kwargs):
+        kept(self)[request_id] = {name: getattr(gen_config, name) for name in _SAMPLING}
+        try:
+            return original_streaming(self, model, processor, inputs, gen_config, request_id, *args, **kwargs)
+        finally:
+            kept(self).pop(request_id, None)
+
+    @functools.wraps(original_non_streaming)
+    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id, *args, **kwargs):
+        kept(self)[request_id] = {name: getattr(gen_config, name) for name in _SAMPLING}
+        try:
+            return await original_non_streaming(self, model, processor, inputs, gen_config, request_id, *args,
+                                                **kwargs)
+        finally:
+            kept(self).pop(request_id, None)
+
+    manager_class.init_cb = init_cb
+    manager_class.generate_streaming, manager_class.generate_non_streaming = generate_streaming, generate_non_streaming
+    setattr(manager_class.generate_streaming, INSTALLED + "_sampling", True)
+
+
+def _install_sampling() -> None:
+    handler = _serving_utils.BaseHandler
+    name, wrap = (("_build_generation_kwargs", _generation_kwargs_sampled)
+                  if hasattr(handler, "_build_generation_kwargs") else
+                  ("_build_generation_config", _generation_config_sampled))
+    if not getattr(getattr(handler, name), INSTALLED, False):
+        setattr(handler, name, wrap(getattr(handler, name)))
+    runner = getattr(_serving_utils, "CBGenerateRunner", None)
+    if runner is not None:
+        for name, wrap in (("_start_continuous_batching", _engine_started_sampling),
+                           ("_build_continuous_batching_kwargs", _batching_kwargs_sampled)):
+            if not getattr(getattr(runner, name), INSTALLED, False):
+                setattr(runner, name, wrap(getattr(runner, name)))
+        return
+    manager = _serving_utils.CBGenerateManager
+    if not getattr(manager.generate_streaming, INSTALLED + "_sampling", False):
+        _install_sampling_524(manager)
+    manager = _serving_utils.GenerateManager
+    for name in ("generate_streaming", "generate_non_streaming"):
+        if not getattr(getattr(manager, name), INSTALLED + "_seed", False):
+            setattr(manager, name, _seeded_where_generated(getattr(manager, name)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Models a request names: a 404 for one that does not exist, a 400 for one this server cannot serve
+# --------------------------------------------------------------------------------------------------------------
+_NAME_A_MODEL = "name a checkpoint directory (config.json, weights and tokenizer files) or a Hub model id (org/name)"
+
+
+def looks_local(name: str) -> bool:
+    """Whether a model name can only be a path (a Hub id is ``org/name``, with no more than one slash)."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def unservable(config, attn_implementation: str | None) -> str | None:
+    """Why a server whose models load with `attn_implementation` cannot serve the model of `config` (None: it can)."""
+    from .errors import UnsupportedModelError
+    from .models import ATTN_NAME, SUPPORTED_MODEL_TYPES, check_model_supported
+
+    if attn_implementation != ATTN_NAME:
+        return None
+    try:
+        check_model_supported(config)
+    except UnsupportedModelError as error:
+        text = config.get_text_config(decoder=True)
+        if getattr(text, "model_type", None) in SUPPORTED_MODEL_TYPES:
+            return str(error)
+        return (f'model_type "{config.model_type}" is not a Multi-head Latent Attention model, which '
+                f"--attn-implementation {ATTN_NAME} serves")
+    return None
+
+
+def _unservable_error(model: str, why: str | None, error: Exception | None = None) -> RequestError:
+    """`why` (`unservable`'s), or else the loading's own `error`, which names its fix."""
+    fix = "; serve it from a server started with --attn-implementation sdpa (or eager)" if why is not None else ""
+    return RequestError(f"The model `{model}` cannot be served by this server: {why or error}{fix}", "model", 400,
+                        "model_not_supported")
+
+
+def _not_found_error(model, error: Exception) -> RequestError:
+    if isinstance(model, str) and looks_local(model) and not os.path.exists(os.path.expanduser(model)):
+        message = f"The model `{model}` does not exist: no such directory; {_NAME_A_MODEL}"
+    else:
+        why = " ".join(str(error).split())[:300]
+        message = f"The model `{model}` could not be loaded ({type(error).__name__}: {why}); {_NAME_A_MODEL}"
+    return RequestError(message, "model", 404, "model_not_found")
+
+
+def _engine_checked(get_engine):
+    """`ModelManager.get_engine(model)` (5.25+), which reads the model's config and processor in the API server (its
+    process loads the weights at its first request): a model it cannot read is the request's 404, one this server
+    cannot serve its 400, named, before its process starts (where the error was a 500 naming a keyword argument)."""
+    from transformers.cli.serving.utils import ModelNotServedError
+
+    @functools.wraps(get_engine)
+    def wrapper(self, model, *args, **kwargs):
+        try:
+            engine = get_engine(self, model, *args, **kwargs)
+        except ModelNotServedError:
+            raise
+        except (OSError, ValueError) as error:  # (a Hub id's HFValidationError is a ValueError)
+            raise _not_found_error(model, error) from None
+        why = unservable(engine.model_config, self.loader.attn_implementation)
+        if why is not None:
+            raise _unservable_error(model, why)
+        return engine
+
+    setattr(wrapper, INSTALLED, True)
+    return wrapper
+
+
+def _model_resolved_checked(resolve):
+    """`BaseHandler._resolve_model(body)` (5.24), which loads the model in the server's process: the same 404 and
+    400."""
+    from starlette.exceptions import HTTPException
+
+    from .errors import UnsupportedModelError
+
+    @functools.wraps(resolve)
+    def wrapper(self, body, *args, **kwargs):
+        model = body.get("model")
+        try:
+            return resolve(self, body, *args, **kwargs)
+        except HTTPException:
+            raise
+        except UnsupportedModelError as error:
+            why = None
+            try:
+                from transformers import AutoConfig
+
+                why = unservable(AutoConfig.from_pretrained(os.path.expanduser(model)),
+                                 self.model_manager.attn_implementation)
+            except Exception:  # noqa: BLE001  (its config cannot be read again: the load's own message says why)
+                pass
+            raise _unservable_error(model, why, error) from None
+        except (OSError, ValueError) as error:
+            raise _not_found_error(model, error) from None
+
+    setattr(wrapper, INSTALLED, True)
+    return wrapper
+
+
+def _install_model_checks() -> None:
+    manager = _transformers_model_manager.ModelManager
+    if hasattr(manager, "get_engine"):
+        if not getattr(manager.get_engine, INSTALLED, False):
+            manager.get_engine = _engine_checked(manager.get_engine)
+        return
+    handler = _serving_utils.BaseHandler
+    if not getattr(handler._resolve_model, INSTALLED, False):
+        handler._resolve_model = _model_resolved_checked(handler._resolve_model)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# An API key for a server other machines reach
+# --------------------------------------------------------------------------------------------------------------
+API_KEY_ENV = "HF_FLASHINFER_MLA_API_KEY"  # the key (serve.py's --api-key sets it, for every process of the server)
+OPEN_PATHS = ("/health",)
+
+
+class _KeyRequired:
+    """ASGI middleware: a request needs ``Authorization: Bearer <key>`` (a 401 in OpenAI's error shape otherwise),
+    but for `OPEN_PATHS` and CORS preflights (which carry no credentials)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                message = ("Incorrect API key provided" if header else "No API key provided") + (
+                    ": send the header `Authorization: Bearer <key>` with the key this server was started with "
+                    f"(--api-key or {API_KEY_ENV})")
+                response = _error_response(message, 401, "invalid_request_error", code="invalid_api_key")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _key_checked(build_server):
+    """`build_server(...)`: the app, behind `_KeyRequired` when ``HF_FLASHINFER_MLA_API_KEY`` holds a key."""
+
+    @functools.wraps(build_server)
+    def wrapper(*args, **kwargs):
+        app = build_server(*args, **kwargs)
+        key = os.environ.get(API_KEY_ENV)
+        if key:
+            app.add_middleware(_KeyRequired, key=key)
+        return app
+
+    setattr(wrapper, INSTALLED, True)
+    return wrapper
+
+
+def _install_api_key() -> None:
+    from transformers.cli.serving import server
+
+    if not getattr(server.build_server, INSTALLED, False):
+        server.build_server = _key_checked(server.build_server)
+
+
 def install() -> None:
     _install_request_checks()
     _install_answer_caps()
+    _install_sampling()
+    _install_model_checks()
+    _install_api_key()

@@ -11,6 +11,7 @@ instead of hanging the suite, and each server is stopped by its PID.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -33,28 +34,26 @@ from hf_flashinfer_mla import UnsupportedModelError  # noqa: E402
 
 pytestmark = pytest.mark.server
 
+API_KEY_ENV = "HF_FLASHINFER_MLA_API_KEY"
 START_TIMEOUT = 120  # seconds for the server process to import, load and answer /health
 REQUEST_TIMEOUT = 60
 NEW_TOKENS = 6
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def save_model(path: Path, model_type: str = "deepseek_v3", model=None) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def _tiny_checkpoint():
+    """``examples/tiny_checkpoint.py`` (the README's serving quick start makes its checkpoint with it)."""
+    spec = importlib.util.spec_from_file_location("tiny_checkpoint", ROOT / "examples" / "tiny_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
+
+def save_model(path: Path, model_type: str = "deepseek_v3", model=None) -> None:
+    """A tiny random model of `model_type` (or `model`), saved with the quick start's word-level tokenizer and chat
+    template over the words w1 ... w93: word wi is token i, as `MARKER` counts on."""
     model = make_model(model_type, dtype=torch.float32) if model is None else model
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, VOCAB - 3)}, "<user>": VOCAB - 3, "<bot>": VOCAB - 2,
-             "<unk>": VOCAB - 1}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}<user> {{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}<bot>{% endif %}")
-    fast.save_pretrained(path)
+    _tiny_checkpoint().save_checkpoint(path, model, words=[f"w{i}" for i in range(1, VOCAB - 3)])
 
 
 def free_port() -> int:
@@ -94,16 +93,19 @@ _install()
 
 
 @contextlib.contextmanager
-def serving(path: Path, *options: str, log_name: str = "server.log", fault_hook: Path | None = None):
+def serving(path: Path, *options: str, log_name: str = "server.log", fault_hook: Path | None = None,
+            pinned: bool = True, env: dict | None = None):
     """``(url, process)`` of ``python -m hf_flashinfer_mla.serve path`` on 127.0.0.1 (CPU, float32), once it answers
-    /health; stopped by its PID when the block ends."""
+    /health; stopped by its PID when the block ends. Not `pinned`: without the model argument (each request names
+    its model; `path` holds the log), with `env` added to the environment."""
     port = free_port()
     paths = [str(ROOT), *([str(fault_hook)] if fault_hook else []), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    inherited = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    env = {**inherited, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
     log = open(path / log_name, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "hf_flashinfer_mla.serve", str(path), "--host", "127.0.0.1", "--port", str(port),
-         "--device", "cpu", "--dtype", "float32", *options],
+        [sys.executable, "-m", "hf_flashinfer_mla.serve", *([str(path)] if pinned else []), "--host", "127.0.0.1",
+         "--port", str(port), "--device", "cpu", "--dtype", "float32", *options],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
@@ -858,3 +860,466 @@ def test_a_sparse_model_served_with_continuous_batching_answers_as_eager(tmp_pat
             got = [f.result(timeout=REQUEST_TIMEOUT) for f in futures]
         assert healthy(url, process)
     assert got == [words(c) for c in contents]
+
+
+# --- sampling as OpenAI defines it; models a request names; streams' end; the API key ---------------------------------
+#
+# Each check below is a function of a running server, asserting what the server must do; its test runs it against the
+# servers above and the ones here, and `test_without_the_new_seams_each_check_fails` runs it against a server whose
+# seams for it are removed (`CONTROL_HOOK`), where it must fail: the old server's outcome.
+
+API_KEY = "sk-test-key"
+CONTENT = "w3 w4 w5"
+CB_OPTIONS = ("--continuous-batching", "--cb-block-size", "16", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "64")
+ENGINES = pytest.mark.parametrize("engine", ["continuous-batching", "generate"])
+CHECKPOINT_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}  # (as DeepSeek's chat checkpoints)
+
+# Every process of a server started with it on its path imports this sitecustomize first: it removes the seams the
+# checks below test, and says so in the server's log (the control injected its fault). A seam renamed away fails the
+# server's start, so a control never runs against a server that still has the seam.
+CONTROL_HOOK = """
+from hf_flashinfer_mla import serve_guards
+
+REMOVED = {
+    "_install_sampling": lambda: None,
+    "_install_model_checks": lambda: None,
+    "_install_api_key": lambda: None,
+    "_ended_with_done": lambda handler, response: response,
+    "_check_continuous_batching_applies": lambda body: None,
+}
+for name, replacement in REMOVED.items():
+    getattr(serve_guards, name)
+    setattr(serve_guards, name, replacement)
+print("control: removed " + ", ".join(REMOVED), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def sampling_model_path(model_path, tmp_path_factory) -> Path:
+    """`model_path`'s weights and tokenizer, with a generation config that samples."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("mla_model_sampling")
+    for name in os.listdir(model_path):
+        if not name.endswith(".log"):
+            shutil.copy(model_path / name, path / name)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, **CHECKPOINT_SAMPLING}))
+    return path
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                        num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB))
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory) -> Path:
+    """A checkpoint that is not MLA."""
+    path = tmp_path_factory.mktemp("llama")
+    save_model(path, model=_llama())
+    return path
+
+
+@pytest.fixture(scope="module")
+def open_servers(tmp_path_factory):
+    """``{engine: url}``: servers started without a model (each request names its own), with an API key: from the
+    environment under continuous batching, from --api-key without. Started at first use, stopped with the module."""
+    with contextlib.ExitStack() as stack:
+        started = {}
+
+        def url(engine: str) -> str:
+            if engine not in started:
+                folder = tmp_path_factory.mktemp(f"open_{engine}")
+                if engine == "continuous-batching":
+                    options, env = CB_OPTIONS, {API_KEY_ENV: API_KEY}
+                else:
+                    options, env = ("--api-key", API_KEY), None
+                started[engine], _ = stack.enter_context(serving(folder, *options, pinned=False, env=env))
+            return started[engine]
+
+        yield url
+
+
+@pytest.fixture(scope="module")
+def sampled(model_path):
+    """The words eager generate(do_sample=True) samples after torch.manual_seed(seed), every token kept unless a
+    top_k is given (OpenAI's sampling: no top-k of its own)."""
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = DeepseekV3ForCausalLM.from_pretrained(model_path, attn_implementation="eager", dtype=torch.float32).eval()
+
+    def words(content: str, seed: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
+              new_tokens: int = NEW_TOKENS, **settings) -> list[str]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        torch.manual_seed(seed)
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=True, temperature=temperature, top_p=top_p,
+                             top_k=top_k, eos_token_id=None, pad_token_id=0, **settings)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split()
+
+    return words
+
+
+@pytest.fixture(scope="module")
+def penalized(model_path):
+    """Eager generate()'s greedy words under a repetition penalty."""
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = DeepseekV3ForCausalLM.from_pretrained(model_path, attn_implementation="eager", dtype=torch.float32).eval()
+
+    def words(content: str, repetition_penalty: float) -> list[str]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=repetition_penalty,
+                             eos_token_id=None, pad_token_id=0)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split()
+
+    return words
+
+
+def _headers(key: str | None = API_KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def post(url: str, body: dict, endpoint: str = "chat/completions", key: str | None = API_KEY):
+    return httpx.post(f"{url}/v1/{endpoint}", json=body, headers=_headers(key), timeout=REQUEST_TIMEOUT)
+
+
+def sse_lines(url: str, body: dict, endpoint: str = "chat/completions", key: str | None = API_KEY) -> list[str]:
+    """The non-empty lines of a streamed answer (a 200: asserted)."""
+    with httpx.stream("POST", f"{url}/v1/{endpoint}", json={**body, "stream": True}, headers=_headers(key),
+                      timeout=REQUEST_TIMEOUT) as response:
+        assert response.status_code == 200, response.read()
+        return [line for line in response.iter_lines() if line.strip()]
+
+
+def answers(url: str, body: dict, stream: bool = False) -> list[list[str]]:
+    """The words of each choice of a chat completion (a 200: asserted)."""
+    if stream:
+        text = []
+        for line in sse_lines(url, body):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    text.append(choice["delta"].get("content") or "")
+        return ["".join(text).split()]
+    response = post(url, body)
+    assert response.status_code == 200, response.text
+    return [choice["message"]["content"].split() for choice in response.json()["choices"]]
+
+
+def chat_body(model, **settings) -> dict:
+    return {"model": str(model), "messages": [{"role": "user", "content": CONTENT}], "max_tokens": NEW_TOKENS,
+            **settings}
+
+
+def check_temperature_samples(url, model):
+    """temperature 1 samples: four requests (two streamed) and the three choices of n=3 are not all one answer."""
+    body = chat_body(model, temperature=1.0)
+    got = [answers(url, body, stream)[0] for stream in (False, True, False, True)]
+    assert len({tuple(words) for words in got}) > 1, got
+    choices = answers(url, {**body, "n": 3})
+    assert len(choices) == 3 and len({tuple(words) for words in choices}) > 1, choices
+
+
+def check_temperature_zero_is_greedy(url, model, expected):
+    """temperature 0 is eager's greedy answer, streamed or not, and n=2 gives it twice."""
+    body = chat_body(model, temperature=0)
+    for stream in (False, True):
+        assert answers(url, body, stream) == [expected(CONTENT)], stream
+    assert answers(url, {**body, "n": 2}) == [expected(CONTENT)] * 2
+
+
+def check_seeded_sample_is_generates(url, model, sampled, settings: dict, oracle: dict):
+    """A seeded request samples what eager generate(do_sample=True) samples under that seed and settings (`oracle`);
+    the choices of n=2 under seed and seed + 1, which differ; the same request again, the same answer."""
+    body = chat_body(model, seed=11, **settings)
+    choices = answers(url, {**body, "n": 2})
+    assert choices == [sampled(CONTENT, seed=11, **oracle), sampled(CONTENT, seed=12, **oracle)], choices
+    assert choices[0] != choices[1]
+    assert answers(url, body) == choices[:1]
+
+
+def check_top_p_and_top_k_are_applied(url, model, expected):
+    """At temperature 1, a top_p of 1e-6 or a top_k of 1 leaves the most likely token alone: eager's greedy words."""
+    for extra in ({"top_p": 1e-6}, {"generation_config": json.dumps({"top_k": 1})}):
+        assert answers(url, chat_body(model, temperature=1.0, **extra)) == [expected(CONTENT)], extra
+
+
+def check_penalties(url, model, engine, penalized, expected):
+    """Without continuous batching, frequency_penalty f is generate()'s repetition_penalty 1 + f (and changes this
+    answer); under it, where Transformers drops them, it, logit_bias and a generation_config setting the engine does
+    not take get a 400 naming them."""
+    body = chat_body(model, temperature=0)
+    if engine == "generate":
+        got = answers(url, {**body, "frequency_penalty": 1.5})
+        assert got == [penalized(CONTENT, 2.5)] and got != [expected(CONTENT)], got
+        return
+    for extra, field in (({"frequency_penalty": 1.5}, "frequency_penalty"), ({"logit_bias": {"5": 10}}, "logit_bias"),
+                         ({"generation_config": json.dumps({"repetition_penalty": 2.5})},
+                          "generation_config.repetition_penalty")):
+        response = post(url, {**body, **extra})
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["param"] == field, response.text
+
+
+def check_streams_end_with_done(url, model, expected):
+    """Chat completions and completions streams end with ``data: [DONE]``, once (a stream cut at a stop string too)."""
+    stop = expected(CONTENT)[2]
+    for endpoint, body in (("chat/completions", chat_body(model, temperature=0)),
+                           ("chat/completions", chat_body(model, temperature=0, stop=stop)),
+                           ("completions",
+                            {"model": str(model), "prompt": "w3 w4", "max_tokens": 3, "temperature": 0})):
+        lines = sse_lines(url, body, endpoint)
+        assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1, (endpoint, body, lines[-2:])
+
+
+def check_models_named_get_4xx(url, good_model, llama, expected):
+    """A model that is not MLA gets a 400 naming it and the server flag that serves it, one that does not exist a 404
+    (OpenAI's model_not_found) naming it, streamed or not; a request for a good model is answered afterwards."""
+    missing = "/nonexistent/mla-checkpoint"
+    for stream in (False, True):
+        response = post(url, chat_body(llama, stream=stream))
+        error = response.json().get("error") or {}
+        assert response.status_code == 400 and error.get("param") == "model", response.text
+        assert str(llama) in error["message"] and "--attn-implementation sdpa" in error["message"], error
+        response = post(url, chat_body(missing, stream=stream))
+        error = response.json().get("error") or {}
+        assert response.status_code == 404 and error.get("code") == "model_not_found", response.text
+        assert missing in error["message"] and "no such directory" in error["message"], error
+    assert answers(url, chat_body(good_model, temperature=0)) == [expected(CONTENT)]
+
+
+def check_api_key(url, model, expected):
+    """With a key set, a request without it, or with another, gets a 401 in OpenAI's error shape; /health is open."""
+    assert httpx.get(f"{url}/health", timeout=REQUEST_TIMEOUT).status_code == 200
+    for key in (None, "sk-wrong"):
+        for response in (post(url, chat_body(model, temperature=0), key=key),
+                         httpx.get(f"{url}/v1/models", headers=_headers(key), timeout=REQUEST_TIMEOUT)):
+            assert response.status_code == 401, (key, response.status_code, response.text)
+            assert response.json()["error"]["code"] == "invalid_api_key", response.text
+            assert response.headers.get("www-authenticate") == "Bearer"
+    assert answers(url, chat_body(model, temperature=0)) == [expected(CONTENT)]
+
+
+def _greedy_server(request, engine: str) -> str:
+    return request.getfixturevalue("server" if engine == "continuous-batching" else "generate_server")[0]
+
+
+@ENGINES
+def test_temperature_above_zero_samples_on_a_checkpoint_that_does_not(engine, request, model_path):
+    """Transformers kept the checkpoint's do_sample: temperature 1 gave one answer to every request."""
+    check_temperature_samples(_greedy_server(request, engine), model_path)
+
+
+@ENGINES
+def test_temperature_zero_is_greedy_on_a_checkpoint_that_samples(engine, open_servers, sampling_model_path, expected):
+    """Under continuous batching temperature 0 sampled (the engine dropped its top_k=1); generate() was greedy."""
+    check_temperature_zero_is_greedy(open_servers(engine), sampling_model_path, expected)
+
+
+@pytest.mark.parametrize("checkpoint", ["greedy", "sampling"])
+def test_a_seeded_request_samples_what_generate_samples_under_its_seed(checkpoint, request, open_servers, model_path,
+                                                                       sampling_model_path, sampled):
+    """Without continuous batching (under it `seed` is refused: its requests share one random stream). The greedy
+    checkpoint asked for temperature 0.8 and top_p 0.9 answered greedily; the sampling one, asked for nothing, sampled
+    with generate()'s default top_k of 50, which OpenAI's sampling does not have."""
+    if checkpoint == "greedy":
+        url, model = request.getfixturevalue("generate_server")[0], model_path
+        settings = oracle = {"temperature": 0.8, "top_p": 0.9}
+    else:
+        url, model, settings = open_servers("generate"), sampling_model_path, {}
+        oracle = {"temperature": CHECKPOINT_SAMPLING["temperature"], "top_p": CHECKPOINT_SAMPLING["top_p"]}
+    check_seeded_sample_is_generates(url, model, sampled, settings, oracle)
+
+
+@ENGINES
+def test_top_p_and_top_k_are_applied(engine, open_servers, sampling_model_path, expected):
+    """Under continuous batching a request's top_k was dropped unless the checkpoint's config set one."""
+    check_top_p_and_top_k_are_applied(open_servers(engine), sampling_model_path, expected)
+
+
+@ENGINES
+def test_penalties_are_applied_or_refused_naming_the_field(engine, request, model_path, penalized, expected):
+    """Under continuous batching frequency_penalty, logit_bias and most generation_config settings were dropped."""
+    check_penalties(_greedy_server(request, engine), model_path, engine, penalized, expected)
+
+
+@ENGINES
+def test_streams_end_with_done(engine, request, model_path, expected):
+    """Streams ended after their last chunk, without OpenAI's ``data: [DONE]``."""
+    check_streams_end_with_done(_greedy_server(request, engine), model_path, expected)
+
+
+@ENGINES
+def test_a_model_a_request_names_that_cannot_be_served_gets_4xx(engine, open_servers, sampling_model_path, llama_path,
+                                                                expected):
+    """Both were 500s (server_error): a RuntimeError naming the Python argument attn_implementation="sdpa", and an
+    OSError about Hub repository ids."""
+    check_models_named_get_4xx(open_servers(engine), sampling_model_path, llama_path, expected)
+
+
+@ENGINES
+def test_an_api_key_is_required_once_set(engine, open_servers, sampling_model_path, expected):
+    """From $HF_FLASHINFER_MLA_API_KEY (continuous batching's server) and from --api-key (the other)."""
+    check_api_key(open_servers(engine), sampling_model_path, expected)
+
+
+def sample_first(url, other_model, model) -> None:
+    """A request for `other_model`, then a sampled one for `model`: Transformers 5.24 starts its continuous batching
+    engine again for each new model, with the first request's settings for all the requests after it (where 5.25 drops
+    the settings its engine was not started for), so a control there samples first, as a client may."""
+    post(url, chat_body(other_model, temperature=0))
+    post(url, chat_body(model, temperature=1.0))
+
+
+@ENGINES
+def test_without_the_new_seams_each_check_fails(engine, tmp_path, model_path, sampling_model_path, llama_path,
+                                                expected, sampled, penalized):
+    """The controls: a server like the ones above with the seams the checks test removed (`CONTROL_HOOK`) answers as
+    the server did before them, and each check fails there. (Without continuous batching, temperature 0 on a
+    checkpoint that samples was greedy already, and top_p, top_k and the penalties were applied: those checks have no
+    control there.)"""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(CONTROL_HOOK)
+    cb = engine == "continuous-batching"
+    with serving(tmp_path, *(CB_OPTIONS if cb else ()), pinned=False, env={API_KEY_ENV: API_KEY},
+                 fault_hook=tmp_path / "hook", log_name="control.log") as (url, process):
+        assert "control: removed _install_sampling" in (tmp_path / "control.log").read_text()
+        checks = {
+            "temperature samples": lambda: check_temperature_samples(url, model_path),
+            "top_p and top_k": lambda: check_top_p_and_top_k_are_applied(url, sampling_model_path, expected),
+            "penalties": lambda: check_penalties(url, model_path, engine, penalized, expected),
+            "[DONE]": lambda: check_streams_end_with_done(url, model_path, expected),
+            "4xx": lambda: check_models_named_get_4xx(url, sampling_model_path, llama_path, expected),
+            "API key": lambda: check_api_key(url, sampling_model_path, expected),
+        }
+        if cb:
+            def after_a_sample(check):
+                def run():
+                    sample_first(url, model_path, sampling_model_path)
+                    check()
+                return run
+
+            checks["top_p and top_k"] = after_a_sample(checks["top_p and top_k"])
+            checks["temperature 0"] = after_a_sample(
+                lambda: check_temperature_zero_is_greedy(url, sampling_model_path, expected))
+        else:  # (generate() applied top_p, top_k and the penalties already)
+            del checks["top_p and top_k"], checks["penalties"]
+            checks["seed"] = lambda: check_seeded_sample_is_generates(
+                url, model_path, sampled, {"temperature": 0.8, "top_p": 0.9}, {"temperature": 0.8, "top_p": 0.9})
+            checks["seed, the checkpoint's sampling"] = lambda: check_seeded_sample_is_generates(
+                url, sampling_model_path, sampled, {}, {"temperature": 0.7, "top_p": 0.9})
+        passed = []
+        for name, check in checks.items():
+            try:
+                check()
+            except AssertionError:
+                continue
+            passed.append(name)
+        assert not passed, f"these checks pass without their seams, so they cannot fail: {passed}"
+        assert healthy(url, process)
+
+
+# --- the README's serving quick start; the server without its packages ------------------------------------------------
+
+README = (ROOT / "README.md").read_text()
+
+
+def _readme_commands(section: str) -> list[str]:
+    """The commands of the first bash block of the README's `section` (### title), continuation lines joined, comments
+    dropped."""
+    text = README.split(f"\n### {section}\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", text, re.S)[0].replace("\\\n", " ")
+    return [line.split(" #", 1)[0].strip() for line in block.splitlines() if line.split(" #", 1)[0].strip()]
+
+
+def test_the_readme_serving_quick_start_runs_as_written(tmp_path):
+    """Its three commands, in a folder of their own (with the checkout's examples/): the checkpoint made, the server
+    started (on a free port instead of 8000), and the request sent with curl; its answer has the 16 tokens it asked
+    for. Every wait is bounded; the server is stopped by its PID."""
+    import shlex
+    import shutil
+
+    commands = _readme_commands("Serving and continuous batching")
+    assert [c.split()[:2] for c in commands] == [["python", "examples/tiny_checkpoint.py"], ["python", "-m"],
+                                                 ["curl", "http://localhost:8000/v1/chat/completions"]], commands
+    if shutil.which("curl") is None:
+        pytest.skip("the quick start's request is a curl command, and this machine has no curl")
+    port = free_port()
+    make, serve, request = ([sys.executable if word == "python" else word.replace("8000", str(port))
+                             for word in shlex.split(command)] for command in commands)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    made = subprocess.run(make, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=START_TIMEOUT)
+    assert made.returncode == 0, made.stderr
+    with open(tmp_path / "server.log", "w") as log:
+        process = subprocess.Popen(serve, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            assert process.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"http://localhost:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.5)
+        sent = subprocess.run(request, capture_output=True, text=True, timeout=REQUEST_TIMEOUT)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+    assert sent.returncode == 0, sent.stderr
+    data = json.loads(sent.stdout)
+    assert data["usage"]["completion_tokens"] == 16 and data["choices"][0]["finish_reason"] == "length", data
+    assert data["choices"][0]["message"]["content"].split(), data
+
+
+# Every process started with it on its path imports this sitecustomize first: the server's packages cannot be found,
+# as where they are not installed.
+WITHOUT_SERVING_PACKAGES = """
+import importlib.machinery
+
+_find_spec = importlib.machinery.PathFinder.find_spec.__func__
+MISSING = {"fastapi", "uvicorn", "openai"}
+
+
+def find_spec(cls, name, path=None, target=None):
+    return None if name.split(".")[0] in MISSING else _find_spec(cls, name, path, target)
+
+
+importlib.machinery.PathFinder.find_spec = classmethod(find_spec)
+"""
+
+
+def test_the_server_without_its_packages_says_which_to_install_in_one_line(tmp_path):
+    """The lighter install route has no FastAPI: the command ended in a 16-line traceback about a Transformers name
+    (5.25: EventStream), which named neither the packages nor the install. The control: Transformers' serving module
+    fails there as it did, a traceback naming neither (the packages really are missing)."""
+    (tmp_path / "sitecustomize.py").write_text(WITHOUT_SERVING_PACKAGES)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=START_TIMEOUT)
+
+    control = run("-c", "import transformers.cli.serving.chat_completion")
+    last = control.stderr.strip().splitlines()[-1]
+    assert control.returncode == 1 and "Traceback" in control.stderr, control.stderr
+    assert "fastapi" not in last and "[serve]" not in last, last
+    proc = run("-m", "hf_flashinfer_mla.serve", "--help")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: the server needs fastapi, uvicorn, openai"), lines
+    assert 'pip install -e ".[serve]"' in lines[0], lines
+    imported = run("-c", "import hf_flashinfer_mla.serve")
+    assert imported.returncode == 1 and 'ImportError: the server needs fastapi' in imported.stderr, imported.stderr
