@@ -278,6 +278,22 @@ def test_readme_install_works_from_a_checkout_and_says_it_is_not_on_pypi():
     assert "not on PyPI" in install
 
 
+def test_readme_lighter_route_installs_what_the_package_needs_but_flashinfer():
+    """Its commands (which .ci/run runs as written, in a venv of their own) install the package without its
+    dependencies, then every dependency pyproject.toml names but torch (installed before) and FlashInfer, as pyproject
+    names it; then the server's packages."""
+    import shlex
+
+    route = _code_blocks(_section("Install").split("**Lighter CPU route**", 1)[1], "bash")[0]
+    commands = [shlex.split(command) for command in _commands(route)]
+    pyproject = (REPO / "pyproject.toml").read_text()
+    dependencies = re.findall(r'"([^"]+)"', pyproject.split("\ndependencies = [", 1)[1].split("\n]", 1)[0])
+    assert commands[0] == ["pip", "install", "--no-deps", "-e", "."], commands
+    assert commands[1][:2] == ["pip", "install"] and sorted(commands[1][2:]) == sorted(
+        d for d in dependencies if not d.startswith(("torch", "flashinfer"))), (commands, dependencies)
+    assert commands[2] == ["pip", "install", "transformers[serving]"] and len(commands) == 3, commands
+
+
 def test_readme_quick_start_is_the_example_and_the_tests():
     blocks = _code_blocks(_section("Quick start"), "bash")
     assert _commands(blocks[0]) == ["python examples/generate.py", "python -m pytest -q tests"]
