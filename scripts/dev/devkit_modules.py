@@ -1,5 +1,5 @@
-"""Extra FlashInfer JIT modules for the device kit: ``python3 ../shared/devkit/build_kit.py --extra-modules
-scripts/dev/devkit_modules.py``.
+"""The FlashInfer JIT modules the GPU runs use beyond fa3/fa2 MLA decode, for a GPU machine that cannot compile them
+on first use and gets them compiled ahead of time (``gpu_round.sh``'s ``.devkit/``).
 
 * The FP8 latent cache (``MLALatentCache(..., dtype=torch.float8_e4m3fn)``) runs fa3 with a bf16/fp16 query over an
   ``float8_e4m3fn`` latent, a module the default kit does not build.
@@ -8,7 +8,8 @@ scripts/dev/devkit_modules.py``.
   build machine whose CUDA toolkit lacks cuRAND's headers, copy them from PyPI's ``nvidia-curand`` wheel
   (``nvidia/cu13/include/curand*.h``) into ``/usr/local/cuda/include`` first.
 
-``build_kit.py`` reads `modules` (it runs this file with ``runpy``); run directly, the file lists them.
+`modules` returns them as ``(generator, CUDA architecture)`` pairs, for the tool that compiles them (it runs this
+file with ``runpy``); run directly, the file lists them.
 """
 
 import argparse
