@@ -25,7 +25,7 @@ import functools
 import inspect
 
 import torch
-from transformers.generation.continuous_batching.utils import stream_context
+from transformers.generation.continuous_batching.utils import pad_to_pow2, stream_context
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import logging
 
@@ -73,8 +73,11 @@ class PagedStep(Routing):
     q_len = 1  # the routes serve the decode rows: one query token each
 
     def __init__(self, q_lens: torch.Tensor, k_lens: torch.Tensor, tokens: int, page_rows: int = 0,
-                 graphed: bool = False, tables: BlockRows | None = None, read_end: int = 0):
+                 graphed: bool = False, tables: BlockRows | None = None, read_end: int = 0, width: int = 0):
         super().__init__()
+        # a sparse model's graphed step: the rows its indexer scores per query token, fixed for the graph's shape
+        # (Transformers' padded longest key length, part of its graph's key)
+        self.width = width
         # where the requests' rows lie, as block tables (None: the forward's read indices list them), and how many
         # entries of the rows a forward reads (Transformers' padded read length)
         self.tables, self.read_end = tables, read_end
@@ -121,15 +124,18 @@ class PagedStep(Routing):
 
     @classmethod
     def of_batch(cls, requests, allocator: LatentAllocator, tokens: int, capture: bool = False,
-                 read_end: int = 0) -> PagedStep:
+                 read_end: int = 0, max_rows: int = 0) -> PagedStep:
         """From Transformers' scheduled requests, once `prepare_batch_tensors` has advanced their offsets, over
         `allocator`'s rows (a sliding-window layer sees its window only); graphed where it may be (`capture`) and a
-        graph pays for it (`graph_pays`). `read_end`: Transformers' padded read length."""
+        graph pays for it (`graph_pays`; a sparse model's: its decode steps only). `read_end`: Transformers' padded
+        read length; `max_rows`: the most rows a request may read (its padding of the longest key length)."""
         q = torch.tensor([fs.query_length for fs in requests], dtype=torch.long)
         k = torch.tensor([allocator.get_seqlen_k(fs.state.position_offset - fs.query_length, fs.query_length)
                           for fs in requests], dtype=torch.long)
         tables = allocator.block_rows([fs.state.request_id for fs in requests], k)
-        return cls(q, k, tokens, page_rows(allocator), capture and graph_pays(q, k), tables, read_end)
+        graphed = capture and graph_pays(q, k) and not (allocator.index_dim and bool((q > 1).any()))
+        width = pad_to_pow2(int(k.max()), max_rows, 1024) if graphed and allocator.index_dim else 0
+        return cls(q, k, tokens, page_rows(allocator), graphed, tables, read_end, width)
 
     def launch(self, allocator: LatentAllocator) -> None:
         """The step's device work before its forward, on the stream the forward runs on: its rows laid out from the
@@ -141,6 +147,9 @@ class PagedStep(Routing):
         self.launched = True
         if self.tables is not None:
             self.tables.write(allocator.rows, max(self.pages.end, self.read_end), to_device)
+        if self.graphed and self.width:  # each query token's rows, where the indexer reads them in the graph
+            host = torch.stack([self.pages.offsets, self._rows.lens.long()])
+            allocator.token_rows[:, : self.batch].copy_(to_device(host, allocator.token_rows.device))
         if self.graphed:
             for _, slot in graphs.slots_for(self.batch, 1, None):
                 slot.load(self)
@@ -195,7 +204,8 @@ def prepare_step(io) -> None:
     for allocator in io.cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
             capture = capturable and _graphs_still_hold(allocator)
-            allocator.step = step = PagedStep.of_batch(requests, allocator, tokens, capture, io.max_kv_read + tokens)
+            allocator.step = step = PagedStep.of_batch(requests, allocator, tokens, capture, io.max_kv_read + tokens,
+                                                       io.cache.max_tokens_read)
             step.serial, allocator.steps_prepared = allocator.steps_prepared, allocator.steps_prepared + 1
 
 
@@ -382,9 +392,6 @@ def graph_refusal(model, page_size: int) -> str | None:
     layers = [m for m in model.modules() if "kv_b_proj" in m._modules and hasattr(m, "qk_nope_head_dim")]
     if not layers:
         return "it has no MLA attention layer"
-    if index_width(config):
-        return ("its sparse (DSA) layers' indexer selects each request's rows on the host every step, which a "
-                "replayed graph would not run")
     if SLIDING_ATTENTION in (getattr(config, "layer_types", None) or ()):
         return "its sliding-window layers gather each step's window into a new tensor, which a graph cannot replay"
     weight = next(layers[0].kv_b_proj.parameters())
@@ -393,6 +400,8 @@ def graph_refusal(model, page_size: int) -> str | None:
                                          config.num_attention_heads, requested)
     if backend not in GRAPHED_BACKENDS:
         return f"its decode runs on {backend}, whose paged steps are planned on the host every step"
+    if index_width(config) and backend not in ("fa3", "fa2"):
+        return f"its sparse (DSA) decode runs on {backend}, whose sparse kernel takes no fixed-address metadata"
     if backend in ("fa3", "fa2") and not fa.uses_generated_module():
         return "FlashInfer's public MLA wrapper binds its buffers when it plans (its generated module is not in use)"
     if backend not in ("fa3", "fa2") and (page_size % 32 or (config.kv_lora_rank + config.qk_rope_head_dim) % 2):

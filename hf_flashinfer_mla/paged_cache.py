@@ -134,6 +134,9 @@ class LatentAllocator(FullAttentionCacheAllocator):
         # device before the step's forward (`BlockRows.write`), at one address for the cache's life (a CUDA graph
         # reads it); sized as Transformers' read indices (`attach_rows_buffer`)
         self.rows: torch.Tensor | None = None
+        # A sparse (DSA) model's graphed decode step: each query token's first row in `rows` and its rows, written
+        # before the replay, read by the indexer inside the graph (``paged_indexer``); fixed like `rows`
+        self.token_rows: torch.Tensor | None = None
         self.graphed_layers = weakref.WeakSet()  # attention modules captured in CUDA graphs over this cache
         self.graphs_refused: str | None = None  # why its steps no longer run in graphs (``paged_attention``)
         self.prefill_wrappers = ragged.Wrappers()  # FlashInfer's ragged prefill, planned per step
@@ -162,10 +165,14 @@ class LatentAllocator(FullAttentionCacheAllocator):
             return []
         return super().get_read_indices(request_id, past_length, query_length)
 
-    def attach_rows_buffer(self, size: int) -> None:
-        """The device buffer of each step's rows: `size` rows, as Transformers sizes its read indices (the scheduler
-        keeps a step's reads within them)."""
-        self.rows = torch.empty(size, dtype=torch.long, device=self.cache_tensor.device)
+    def attach_rows_buffer(self, size: int, tokens: int) -> None:
+        """The device buffers of each step's rows: `size` rows, as Transformers sizes its read indices (the scheduler
+        keeps a step's reads within them), and for a sparse model where each of a step's `tokens` query tokens
+        finds its rows."""
+        device = self.cache_tensor.device
+        self.rows = torch.empty(size, dtype=torch.long, device=device)
+        if self.index_dim:
+            self.token_rows = torch.zeros(2, tokens, dtype=torch.long, device=device)
 
     def block_rows(self, request_ids: list[str], k_lens: torch.Tensor) -> BlockRows | None:
         """Where the requests' first `k_lens` rows lie: their blocks, on the host (None: Transformers lists them)."""
@@ -326,7 +333,7 @@ def build_paged_cache(original, cache, config, *args, **kwargs) -> None:
     original(cache, sizing, *args, **kwargs)
     for allocator in cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
-            allocator.attach_rows_buffer(cache.max_tokens_read + cache.max_batch_tokens)
+            allocator.attach_rows_buffer(cache.max_tokens_read + cache.max_batch_tokens, cache.max_batch_tokens)
     first = layer_config(config, 0)
     per_head = 2 * cb_cache.find_num_key_value_heads(first) * cb_cache.find_head_dim(first)
     latent = next(a for a in cache.cache_allocators.values() if isinstance(a, LatentAllocator))

@@ -16,6 +16,11 @@ mask over its own rows. The selection comes back as positions in the step's read
 "shared" indexer type reuses the previous layer's, as it does in ``generate()``; ``paged_attention.attend`` turns
 it into the layer's rows.
 
+A decode step in a CUDA graph (``paged_attention.PagedStep.graphed``) runs the same indexer in fixed shapes
+(`_select_in_graph`): every padded query token over the graph's width of rows, where its rows lie read from a
+buffer the step's launch writes before each replay, so the selection is made on the GPU and feeds the sparse kernel
+without a host round trip.
+
 Transformers builds no mask for a paged cache, and a DSA layer slices its mask (``attention_mask[:, 0]``) before it
 calls its indexer: `step_mask` gives those layers an empty one (``[1, 1, T, 0]``), which the indexer here never
 reads.
@@ -170,13 +175,16 @@ def select(indexer, forward, bound: inspect.BoundArguments, allocator: LatentAll
     hidden = bound.arguments["hidden_states"]
     total = hidden.shape[1]
     first_layer = indexer.layer_idx == allocator.layer_indices[0]
-    if step is None or step.tokens != total or (first_layer and step.started):
+    # (a graphed step serves the two forwards of its capture: warm-up, then capture)
+    if step is None or step.tokens != total or (first_layer and step.started and not step.graphed):
         raise RuntimeError("flashinfer_mla: a sparse model's paged forward was not prepared by continuous batching's "
                            "loop (generate_batch, init_continuous_batching); run it there, or use generate()")
     device = hidden.device
     read_index, write_index = allocator.read_index, allocator.write_index
     step.launch(allocator)  # (the indexer runs before its layer's attention: the step's rows must be laid out)
     source = allocator.source(read_index, write_index, None)
+    if step.graphed:
+        return _select_in_graph(indexer, forward, bound, allocator, step, source, write_index)
     if step.index_calls is None:
         step.index_calls = calls(step, getattr(indexer, "n_heads", 64))
     keys = allocator.index_keys(indexer.layer_idx)
@@ -205,6 +213,42 @@ def select(indexer, forward, bound: inspect.BoundArguments, allocator: LatentAll
     for tokens, p in picks:
         selection[tokens, : p.shape[-1]] = p.to(torch.int32)
     return selection[None]
+
+
+def _select_in_graph(indexer, forward, bound: inspect.BoundArguments, allocator: LatentAllocator, step, source,
+                     write_index) -> torch.Tensor:
+    """`select` for a decode step in a CUDA graph: every padded query token one request of one token, each over
+    ``step.width`` rows (its own first, the rest masked), in slices of fixed shapes whose scores fit `SCORE_BYTES`;
+    where each token's rows lie comes from the fixed buffer the step's launch wrote (``token_rows``), so a replay
+    reads the replayed step's. A padding token reads the trash row its rows point to; its selection is never read."""
+    hidden = bound.arguments["hidden_states"]
+    device, tokens, width = hidden.device, step.tokens, step.width
+    offsets, lens = allocator.token_rows[0, :tokens], allocator.token_rows[1, :tokens]
+    j = torch.arange(width, device=device)
+    read = source.index_select(0, (offsets[:, None] + torch.where(j < lens[:, None], j, 0)).flatten())
+    read, last = read.view(tokens, width), (lens - 1)[:, None]
+    keys = allocator.index_keys(indexer.layer_idx)
+    per = max(1, SCORE_BYTES // (getattr(indexer, "n_heads", 64) * width * 4))
+    picks = []
+    for first in range(0, tokens, per):
+        g = min(per, tokens - first)
+        span = torch.arange(first, first + g, device=device)
+        args = bound.arguments.copy()
+        for name, kind in _TOKEN_DIM.items():
+            if name not in args or args[name] is None:
+                continue
+            if kind == "batch":
+                args[name] = _per_request(args[name], span, g, 1)
+            elif kind == "positions":
+                value = args[name]
+                args[name] = value.index_select(-1, span).view(*value.shape[:-2], g, 1)
+        args["attention_mask"] = (j <= last[first : first + g, :, None])  # [G, 1, width]
+        args["cache"] = RequestRows(keys, write_index[first : first + g], read[first : first + g])
+        call_args = inspect.BoundArguments(bound.signature, args)
+        local = forward(*call_args.args, **call_args.kwargs).long()  # [G, 1, k]
+        seen = local <= last[first : first + g, :, None]
+        picks.append(torch.where(seen, offsets[first : first + g, None, None] + local, -1).view(g, -1))
+    return torch.cat(picks).to(torch.int32)[None]
 
 
 def _per_request(value, tokens: torch.Tensor, g: int, q: int):

@@ -9,7 +9,10 @@ Writes three PNGs into --out:
   per batch size, from a ``bench_decode.py`` grid (log axes; cells that ran out of memory are marked "OOM"; the
   dashed line is the step's bandwidth floor, (weights + latent) / copy bandwidth);
 * ``decode_memory.png``: the same cells' transient memory (peak above weights and cache);
-* ``serving_throughput.png``: output tokens/s of each mode of one or more ``bench_serving.py`` runs.
+* ``serving_throughput.png``: output tokens/s of each mode of one or more ``bench_serving.py`` runs;
+* ``serving_step_split.png`` (with ``--split``): where each continuous-batching step's wall time goes, per mode and
+  kind of step, from ``bench_serving.py --loop-split`` runs (stacked bars, the package's phase hatched, the step's
+  GPU span marked).
 
 Titles (model shape, GPU, date, versions) are read from the JSON files' metadata. matplotlib is an optional
 dependency: ``pip install "hf-flashinfer-mla[bench]"``.
@@ -192,6 +195,60 @@ def plot_serving(plt, runs: list[dict], out: Path) -> Path:
     return path
 
 
+# The loop's phases in the order they run, Transformers' in greys and blues, the package's in red.
+PHASE_COLORS = {"schedule": "#c7c7c7", "batch tensors": "#9ecae1", "step plan": "#d62728",
+                "inputs to device": "#6baed6", "forward": "#1f77b4", "wait for GPU": "#ffbb78",
+                "updates": "#7f7f7f", "other": "#e5e5e5"}
+
+
+def plot_split(plt, runs: list[dict], out: Path) -> Path:
+    """One panel per run: per mode and kind of step, the mean wall time of a step split into the loop's phases."""
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.4 + 2.8 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        args = run["metadata"].get("args", {})
+        bars = []  # (label, phases_ms, gpu span)
+        for r in run["results"]:
+            split = r.get("loop_split")
+            if not split or r.get("status") not in ("ok", "time-limit"):
+                continue
+            for kind, k in sorted(split["kinds"].items(), key=lambda kv: -kv[1]["steps"]):
+                if k["steps"] < 3:
+                    continue
+                rows = "token indices" if r["mode"].endswith("-token-indices") else "block tables"
+                label = f"{rows}, {'async' if r.get('async_batching') else 'sync'}: {kind} ({k['steps']} steps)"
+                bars.append((label, k["phases_ms"], k.get("gpu_span_ms")))
+        bars = bars[::-1]
+        for i, (_, phases, span) in enumerate(bars):
+            left = 0.0
+            for phase, ms in phases.items():
+                ax.barh(i, ms, left=left, color=PHASE_COLORS.get(phase, "#999999"),
+                        hatch="//" if phase == "step plan" else None, edgecolor="white", linewidth=0.5,
+                        label=phase if i == 0 else None)
+                left += ms
+            ax.annotate(f"{left:.1f} ms", (left, i), textcoords="offset points", xytext=(4, 0), va="center",
+                        fontsize=8)
+            if span:
+                ax.plot([span, span], [i - 0.4, i + 0.4], color="black", linewidth=1.5,
+                        label="GPU span" if i == 0 else None)
+        ax.set_yticks(range(len(bars)))
+        ax.set_yticklabels([b[0] for b in bars], fontsize=8)
+        model = args.get("model", "?")
+        ax.set_title(f"{MODEL_NAMES.get(model, model)}: {args.get('requests', '?')} requests at once, prompts "
+                     f"{args.get('prompt_min', '?')}-{args.get('prompt_max', '?')}, {args.get('new', '?')} new",
+                     fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=7, ncol=5, loc="lower right")
+    axes[-1, 0].set_xlabel("mean wall time of a step (ms), by phase of Transformers' generation loop; "
+                           "hatched: this package's step plan")
+    fig.suptitle(f"Where a continuous-batching step's time goes (generation thread)\n{versions(runs[0]['metadata'])}",
+                 fontsize=11)
+    fig.tight_layout()
+    path = out / "serving_step_split.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -201,6 +258,8 @@ def parse_args(argv=None):
                    default=[BENCH / "serving_v2lite.json", BENCH / "serving_v3.json"],
                    help="bench_serving.py JSON files, one panel each (default: benchmarks/serving_v2lite.json "
                         "benchmarks/serving_v3.json; the flag alone: no serving picture)")
+    p.add_argument("--split", type=Path, nargs="*", default=[],
+                   help="bench_serving.py --loop-split JSON files, one panel each (serving_step_split.png)")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes to draw (default: all)")
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="directory for the PNGs (default: docs/)")
     return p.parse_args(argv)
@@ -221,6 +280,8 @@ def main(argv=None) -> int:
     written = [plot_grid(plt, ticker, grid, args.batch, value, args.out) for value in ("ms", "memory")]
     if args.serving:
         written.append(plot_serving(plt, [load(p) for p in args.serving], args.out))
+    if args.split:
+        written.append(plot_split(plt, [load(p) for p in args.split], args.out))
     for path in written:
         print(f"wrote {path}")
     return 0

@@ -577,3 +577,57 @@ def route_of(step: StepPlan, layer: Layer, requested="fa3"):
 def bool_mask(rows):
     """A boolean 2D mask from nested lists of 0/1."""
     return torch.tensor(rows, dtype=torch.bool)
+
+
+# ------------------------------------------------------------------------------- asynchronous batching on a CPU
+class FakeStream:
+    """A device stream on a host that runs everything in order."""
+
+    def record_event(self, event=None):
+        return event
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class _TorchWithEvents:
+    """torch as Transformers' IO module sees it, with events a CPU can record."""
+
+    Event = FakeEvent
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def emulate_async_batching(monkeypatch) -> None:
+    """Transformers' asynchronous batching on this host, which it refuses without an accelerator: its two IO pairs
+    accept the CPU, their streams and events do nothing (the work runs in order), so what runs is the host's side
+    of it: step N+1 prepared before step N's tokens are read, tokens carried over on the "device"."""
+    from transformers.generation.continuous_batching import input_outputs
+
+    monkeypatch.setattr(input_outputs.ContinuousBatchingAsyncIOs, "_supported_device_types", ("cuda", "xpu", "cpu"))
+    monkeypatch.setattr(input_outputs, "create_device_stream", lambda device: FakeStream())
+    monkeypatch.setattr(input_outputs, "torch", _TorchWithEvents())

@@ -16,52 +16,10 @@ import pytest
 import torch
 
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
-from helpers import make_model
+from helpers import emulate_async_batching, make_model
 from hf_flashinfer_mla import paged_attention
 from test_continuous_batching import eager_tokens, greedy, prompts, small_cb
 from test_continuous_batching_graphs import emulated_graphs  # noqa: F401  (fixture)
-
-
-class FakeStream:
-    """A stream on a host that runs everything in order."""
-
-    def record_event(self, event=None):
-        return event
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class FakeEvent:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def wait(self, stream=None) -> None:
-        pass
-
-
-class _TorchWithEvents:
-    """torch as Transformers' IO module sees it, with events a CPU can record."""
-
-    Event = FakeEvent
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
 
 
 @pytest.fixture
@@ -69,11 +27,7 @@ def emulated_async(monkeypatch):
     """Transformers' asynchronous batching on this host: the IO pairs accept the CPU, their streams and events do
     nothing (the work runs in order). Returns the steps planned: (serial, the IO pair's batch, each request's
     rows)."""
-    from transformers.generation.continuous_batching import input_outputs
-
-    monkeypatch.setattr(input_outputs.ContinuousBatchingAsyncIOs, "_supported_device_types", ("cuda", "xpu", "cpu"))
-    monkeypatch.setattr(input_outputs, "create_device_stream", lambda device: FakeStream())
-    monkeypatch.setattr(input_outputs, "torch", _TorchWithEvents())
+    emulate_async_batching(monkeypatch)
     planned = []
     of_batch = paged_attention.PagedStep.of_batch
 
@@ -162,7 +116,7 @@ def test_a_plan_from_the_previous_steps_lengths_gives_other_tokens(emulated_asyn
     batching."""
     stale = []
 
-    def previous_lengths(requests, allocator, tokens, capture=False, read_end=0):
+    def previous_lengths(requests, allocator, tokens, capture=False, read_end=0, max_rows=0):
         q = torch.tensor([fs.query_length for fs in requests], dtype=torch.long)
         k = torch.tensor([fs.state.position_offset for fs in requests], dtype=torch.long) - (q == 1).long()
         k = k.clamp_min(q)  # (a 1-token prompt's first step had no row before it)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fake_flashinfer import FakeMLAModule, FakeTrtllm, blackwell, fake_hopper  # noqa: F401  (fixture)
-from helpers import make_model, package_warnings
+from helpers import emulate_async_batching, make_model, package_warnings
 from hf_flashinfer_mla import paged_attention
 from hf_flashinfer_mla.kernels import fa, graphs, trtllm
 from test_continuous_batching import eager_tokens, greedy, prompts, small_cb
@@ -55,6 +55,7 @@ def emulated_graphs(fake_hopper, monkeypatch):
     from transformers.generation.continuous_batching import initialization, model_runner
 
     monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
+    emulate_async_batching(monkeypatch)  # (which Transformers turns on with the graphs)
     monkeypatch.setattr(model_runner, "get_memory_pools", lambda: (None, None))
     made, prepared, launches, host_builds = [], [], [], []
     run, call, build = FakeMLAModule.run, FakeTrtllm.__call__, trtllm.build
@@ -136,8 +137,9 @@ def test_decode_steps_replay_cuda_graphs_with_the_tokens_of_eager(emulated_graph
     cb, batch = _padded_cb(), prompts(LENGTHS)
     if backend in ("trtllm-gen", "cute-dsl"):
         kernel, cb, batch = _blackwell(monkeypatch, backend)
-    out = model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=cb)
-    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch)
+    # (8 new tokens: asynchronous batching's two IO pairs capture a graph each, then replay them)
+    out = model.generate_batch(batch, generation_config=greedy(8), continuous_batching_config=cb)
+    assert [o.generated_tokens for o in out.values()] == eager_tokens(model, batch, 8)
     graphed = [(n, t) for g, n, t, _ in prepared if g]
     assert made and sum(g.replays for g in made) > 0  # captured, then replayed
     assert len({t for _, t in graphed}) >= 2  # several graph shapes

@@ -22,6 +22,7 @@ from hf_flashinfer_mla import UnsupportedModelError, paged_attention, paged_inde
 from hf_flashinfer_mla.kernels import fa
 from hf_flashinfer_mla.paged_cache import SlidingLatentAllocator
 from test_continuous_batching import greedy, small_cb, steps  # noqa: F401  (steps: a fixture)
+from test_continuous_batching_graphs import emulated_graphs  # noqa: F401  (a fixture)
 
 NEW_TOKENS = 4
 # Sparse families whose other layer types have no paged latent cache: refused, naming those layers.
@@ -312,7 +313,101 @@ def test_control_a_chunk_attending_past_its_window_fails(monkeypatch, steps):
 
 
 def test_sliding_window_layers_keep_continuous_batching_out_of_cuda_graphs():
-    """A model with sliding-window MLA layers runs continuous batching without CUDA graphs, naming why, even where
-    it has no indexer (its layers attend over a window gathered into a new tensor every step)."""
-    assert "indexer" in paged_attention.graph_refusal(sparse_model(SLIDING), 64)
+    """A model with sliding-window MLA layers runs continuous batching without CUDA graphs, naming why, with DSA
+    layers beside them or without (its sliding layers attend over a window gathered into a new tensor every
+    step)."""
+    assert "sliding-window layers" in paged_attention.graph_refusal(sparse_model(SLIDING), 64)
     assert "sliding-window layers" in paged_attention.graph_refusal(sparse_model(SLIDING, **WINDOW_FIRST_DENSE), 64)
+
+
+# ------------------------------------------------------------------------------------------------ in CUDA graphs
+def _graphed_cb() -> ContinuousBatchingConfig:
+    """`serving_cb` with Transformers' graph padding: query tokens to multiples of 3, past rows to 64s (so that
+    decode steps of a few requests meet a graph again as their contexts grow)."""
+    return small_cb(num_blocks=96, max_batch_tokens=24, max_requests_per_batch=6, q_padding_interval_size=3,
+                    kv_padding_interval_size=64)
+
+
+GRAPHED_NEW = 8
+
+
+@pytest.fixture
+def graphed_selections(monkeypatch):
+    """Per graphed sparse step (the indexer's first layer, warm-up, capture or replay): each real request's rows
+    and the rows its selection kept."""
+    seen = []
+    in_graph = paged_indexer._select_in_graph
+
+    def spy(indexer, forward, bound, allocator, step, *args):
+        out = in_graph(indexer, forward, bound, allocator, step, *args)
+        if indexer.layer_idx == allocator.layer_indices[0]:
+            seen.append((step.k_lens.clone(), (out[0, : step.requests] >= 0).sum(-1)))
+        return out
+
+    monkeypatch.setattr(paged_indexer, "_select_in_graph", spy)
+    return seen
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])  # (GLM: layers reusing a selection)
+def test_sparse_decode_steps_replay_cuda_graphs_with_the_tokens_of_eager(emulated_graphs, fake_hopper, monkeypatch,
+                                                                        graphed_selections, model_type):
+    """A DSA model's decode steps run in CUDA graphs on fa3: the indexer scores each padded query token over the
+    graph's fixed width of rows, read from where the step's launch wrote them, and its top-k feeds FlashInfer's
+    sparse kernel with no host round trip; replayed over batches that change as requests join and finish, every
+    request gets eager's tokens. Prefill chunks run uncompiled, as before."""
+    made, prepared = emulated_graphs
+    model, runs = _on_fa3(fake_hopper, monkeypatch, model_type)
+    batch = requests(16, shared=4)
+    out = model.generate_batch(batch, generation_config=greedy(GRAPHED_NEW), continuous_batching_config=_graphed_cb())
+    expected = eager_tokens(model, batch, GRAPHED_NEW)
+    assert [(o.error, o.generated_tokens) for o in out.values()] == [(None, t) for t in expected]
+    graphed = [(n, t) for g, n, t, _ in prepared if g]
+    assert made and sum(g.replays for g in made) > 0  # captured, then replayed
+    assert len({n for n, _ in graphed}) >= 2 and any(n < t for n, t in graphed)  # joins/finishes, padding rows
+    assert all(all(q == 1 for q in qs) for g, _, _, qs in prepared if g)  # (only decode steps)
+    assert any(not g for g, *_ in prepared)  # prefill chunks uncompiled
+    topk = model.config.get_text_config(decoder=True).index_topk
+    assert graphed_selections and set(runs) == {topk}
+    for visible, kept in graphed_selections:  # min(topk, visible) rows, and fewer than visible somewhere
+        assert torch.equal(kept, visible.clamp(max=topk))
+    assert any((visible > topk).any() for visible, _ in graphed_selections)
+
+
+def test_graphed_sparse_control_a_replay_reading_the_step_befores_rows_fails(emulated_graphs, fake_hopper,
+                                                                               monkeypatch):
+    """Control: the indexer's per-token rows not rewritten before a replay (each token scored over the rows of
+    the step before, which had one fewer for a decode) gives other tokens than eager's; the skipped writes were
+    graphed steps'."""
+    made, _ = emulated_graphs
+    model, _ = _on_fa3(fake_hopper, monkeypatch)
+    batch = requests(16, shared=4)
+    expected = eager_tokens(model, batch, GRAPHED_NEW)
+    skipped, launch = [], paged_attention.PagedStep.launch
+
+    def stale(step, allocator):
+        if step.graphed and step.width and made:  # (once a graph exists: replays read the rows left before)
+            kept = allocator.token_rows.clone()
+            launch(step, allocator)
+            skipped.append(step.batch)
+            allocator.token_rows.copy_(kept)
+            return
+        launch(step, allocator)
+
+    monkeypatch.setattr(paged_attention.PagedStep, "launch", stale)
+    out = model.generate_batch(batch, generation_config=greedy(GRAPHED_NEW), continuous_batching_config=_graphed_cb())
+    assert skipped
+    assert [o.generated_tokens for o in out.values()] != expected
+
+
+def test_graphed_sparse_control_a_selection_keeping_every_row_fails(emulated_graphs, fake_hopper, monkeypatch):
+    """Control: in graphs too, an indexer whose top-k spans every row gives other tokens than eager's sparse
+    model."""
+    made, prepared = emulated_graphs
+    model, _ = _on_fa3(fake_hopper, monkeypatch)
+    batch = requests(16, shared=4)
+    expected = eager_tokens(model, batch, GRAPHED_NEW)
+    for indexer in [m for m in model.modules() if type(m).__name__.endswith("Indexer")]:
+        indexer.index_topk = 10**6
+    out = model.generate_batch(batch, generation_config=greedy(GRAPHED_NEW), continuous_batching_config=_graphed_cb())
+    assert any(g for g, *_ in prepared) and sum(g.replays for g in made) > 0
+    assert [o.generated_tokens for o in out.values()] != expected

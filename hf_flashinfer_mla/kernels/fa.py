@@ -334,9 +334,11 @@ def build(backend: str, step, layer, into: FaMetadata | None = None, staged: Sta
         raise Refused("FlashInfer's MLA decode kernels take no attention sinks")
     refuse_inexpressible(step.rows())
     if layer.topk:
-        if into is not None or not uses_generated_module():
-            raise Refused("sparse decode runs on FlashInfer's generated MLA module only, uncompiled, on a release in "
+        if not uses_generated_module() or (into is not None and into.engine is None):
+            raise Refused("sparse decode runs on FlashInfer's generated MLA module only, on a release in "
                           f"{', '.join(TESTED_FLASHINFER)}")
+        if into is not None:
+            return _rebuild_fixed(into, step, layer, staged)
         return sparse_metadata(backend, step.rows(), layer)
     if into is not None:
         return _rebuild_fixed(into, step, layer, staged)
@@ -371,7 +373,16 @@ def sparse_metadata(backend: str, rows: Rows, layer) -> FaMetadata:
 
 
 def fixed(backend: str, layer, batch: int, q_len: int) -> FaMetadata:
-    """Empty fixed-address metadata for a CUDA-graph slot of this shape (see `graphs.py` for where it is allocated)."""
+    """Empty fixed-address metadata for a CUDA-graph slot of this shape (see `graphs.py` for where it is allocated).
+    A sparse layer's slot holds the schedule of its query tokens and each token's sequence offset; its page indices
+    are the selection the replayed forward computes."""
+    if layer.topk:
+        if not uses_generated_module():
+            raise Refused("sparse decode runs on FlashInfer's generated MLA module only")
+        engine = generated_fa(layer, backend)
+        base = (torch.arange(batch, dtype=torch.int32) * layer.pitch).repeat_interleave(q_len)[:, None]
+        return FaMetadata(backend, False, engine, engine.new_workspace(), fixed=True,
+                          sparse_base=base.to(layer.device))
     kv_indices = torch.arange(batch * layer.pitch, dtype=torch.int32, device=layer.device)
     if uses_generated_module():
         engine = generated_fa(layer, backend)
@@ -399,6 +410,11 @@ def _rebuild_fixed(meta: FaMetadata, step, layer, staged: Staged | None) -> FaMe
         if staged is not None:
             meta.staging_read = upload(meta.staging, staged.nbytes, meta.int_workspace)
             plan_info, layout = staged.plan_info, staged.layout
+        elif layer.topk:  # every query token a request of its own, over min(topk, visible) selected rows
+            tokens = rows.token_rows(layer.topk)
+            offsets = torch.arange(tokens.batch + 1, dtype=torch.int32) * layer.topk
+            plan_info = meta.engine.plan(tokens, offsets, False, meta.int_workspace)
+            layout = tuple(plan_info)
         else:
             # (not `addressing`: its identity lives for the process, and this may run during CUDA-graph warm-up,
             # whose allocations belong to the graph's pool; the slot's own indices are the identity)
@@ -409,7 +425,7 @@ def _rebuild_fixed(meta: FaMetadata, step, layer, staged: Staged | None) -> FaMe
         # The slot's shape was admitted by `refusal_for_every_step`; a refusal means FlashInfer changed its rules.
         raise RuntimeError(f"FlashInfer refused a CUDA-graph decode plan it was expected to accept: {exc}. "
                            "Run without CUDA graphs (generate(..., disable_compile=True)).") from None
-    if pages is None:  # (a paged step's indices are the step's read indices, which its route passes on)
+    if pages is None and not layer.topk:  # (a paged step's indices are its rows, which its route passes on)
         _set_indices(meta, None if rows.first is not None else rows.kv_indices(layer.pitch, layer.device))
     if meta.layout is None:
         meta.plan_info, meta.layout = plan_info, layout

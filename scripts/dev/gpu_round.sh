@@ -4,7 +4,8 @@
 # commands'). Name several modes to run them one after the other in one call. Run it from the repository root.
 #
 #   bash scripts/dev/gpu_round.sh suite host   # the whole tests/gpu in SUITE_WORKERS processes (6; each stopped at
-#                                              # SUITE_TIMEOUT s, 480: gpu_suite_parallel.py), then
+#                                              # SUITE_TIMEOUT s, 480: gpu_suite_parallel.py; SUITE_ORDER="--seed 7
+#                                              # --reverse": another split and order), then
 #                                              # host time per step, layer and attention call (bench_host.py, V3
 #                                              # shape, batch 32, 4k), twice; AB=DIR alternates it with the package
 #                                              # in DIR/hf_flashinfer_mla (another revision: git archive REV
@@ -141,7 +142,7 @@ mode_suite() {
   local durations
   durations=$(ls "$ROOT"/benchmarks/gpu_suite_durations.json 2>/dev/null)
   run $((${SUITE_TIMEOUT:-480} + 20)) python3 scripts/dev/gpu_suite_parallel.py --workers "${SUITE_WORKERS:-6}" \
-    --timeout "${SUITE_TIMEOUT:-480}" \
+    --timeout "${SUITE_TIMEOUT:-480}" ${SUITE_ORDER:-} \
     ${durations:+--durations "$durations"} --out "$D"
   show 12
 }
@@ -297,12 +298,13 @@ mode_serving_split() {
 
 # 256 requests at once (prompts of 128-4,096 tokens, 256 new): the default path (rows from the block tables,
 # asynchronous batching) against the same without asynchronous batching and against Transformers' token-by-token read
-# indices without it, each step's wall time split on the generation thread (--loop-split); AB_MODELS, AB_LIMIT (s).
+# indices without it, each step's wall time split on the generation thread (--loop-split); AB_MODELS, AB_MODES,
+# AB_LIMIT (s).
 mode_serving_ab() {
   local m
   for m in ${AB_MODELS:-deepseek-v3-attn deepseek-v2-lite}; do
     run $((3 * ${AB_LIMIT:-120} + 120)) python3 scripts/bench_serving.py --model "$m" --no-progress --out "$D" \
-      --modes cb-flashinfer_mla cb-flashinfer_mla-sync cb-flashinfer_mla-token-indices --loop-split \
+      --modes ${AB_MODES:-cb-flashinfer_mla cb-flashinfer_mla-sync cb-flashinfer_mla-token-indices} --loop-split \
       --time-limit "${AB_LIMIT:-120}" --name "serving_cb_${m}_256_ab.json"
   done
   show 40
