@@ -14,7 +14,9 @@ import pickle
 
 import pytest
 import torch
+import transformers
 from helpers import FAMILIES, HYBRIDS, make_model, rel_err
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers import GenerationConfig
 
 exporters = pytest.importorskip("transformers.exporters.utils")
@@ -70,7 +72,15 @@ def test_an_exported_decode_step_gives_sdpa_logits(model_type):
     for attn in ("sdpa", "flashinfer_mla"):
         model, inputs = decode_stage(model_type, attn)
         outs[attn] = logits(model, copy.deepcopy(inputs))
-        program = DynamoExporter().export(model, copy.deepcopy(inputs), config=DynamoConfig())
+        try:
+            program = DynamoExporter().export(model, copy.deepcopy(inputs), config=DynamoConfig())
+        except GuardOnDataDependentSymNode as error:
+            if attn != "sdpa":
+                raise
+            # The oracle itself: 5.24's LongCat-Flash experts loop over the experts hit whatever the experts
+            # implementation, which torch.export cannot trace; no export of this model to compare with.
+            pytest.skip(f"transformers {transformers.__version__} cannot export {model_type} with sdpa either: "
+                        f"{str(error).splitlines()[0]}")
         with torch.no_grad():
             out = program(**copy.deepcopy(inputs))
         outs[f"{attn} exported"] = out["logits"] if isinstance(out, dict) else out.logits
