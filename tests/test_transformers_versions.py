@@ -55,9 +55,9 @@ def _original(seam):
 
 
 def test_every_seam_fits_this_release():
-    """On this release (CI: each tested one) nothing is unavailable, and each seam's shape is what Transformers' own object (under the
-    wrapper) has: a shape written wrong would refuse a feature on the releases that have it. Control: the same check
-    names a parameter renamed in a copy of the object."""
+    """On this release (CI: each tested one) nothing is unavailable, and each seam's shape is what Transformers' own
+    object (under the wrapper) has: a shape written wrong would refuse a feature on the releases that have it.
+    Control: the same check names a parameter renamed in a copy of the object."""
     assert registration.UNAVAILABLE == {}
     checked = 0
     for seam in registration.SEAMS:
