@@ -133,7 +133,9 @@ def test_serving_within_a_time_limit_counts_what_finished_and_every_token_produc
     whole batches' and the one stopped at its first step past the limit."""
     import bench_serving
 
-    new, batch = 1000, 4  # (more than either mode generates in 10 s on a CPU; the manager takes seconds to start)
+    # (more than either mode generates in 10 s on a CPU, up to the tiny model's context of 4096; the manager takes
+    # seconds to start)
+    new, batch = 4000, 4
     args = ["--model", "tiny", "--requests", "32", "--prompt-min", "3", "--prompt-max", "9", "--new", str(new),
             "--static-batch", str(batch), "--time-limit", "10", "--no-progress", "--modes", "cb-flashinfer_mla",
             "generate-flashinfer_mla"]
