@@ -237,12 +237,14 @@ def plot_split(plt, runs: list[dict], out: Path) -> Path:
                      f"{args.get('prompt_min', '?')}-{args.get('prompt_max', '?')}, {args.get('new', '?')} new",
                      fontsize=10)
         ax.grid(True, axis="x", alpha=0.3)
-        ax.legend(fontsize=7, ncol=5, loc="lower right")
+        ax.set_xlim(0, ax.get_xlim()[1] * 1.1)
     axes[-1, 0].set_xlabel("mean wall time of a step (ms), by phase of Transformers' generation loop; "
                            "hatched: this package's step plan")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(f"Where a continuous-batching step's time goes (generation thread)\n{versions(runs[0]['metadata'])}",
                  fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     path = out / "serving_step_split.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
