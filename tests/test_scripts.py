@@ -133,12 +133,13 @@ def test_serving_within_a_time_limit_counts_what_finished_and_every_token_produc
     whole batches' and the one stopped at its first step past the limit."""
     import bench_serving
 
-    # (more than either mode generates in 10 s on a CPU, up to the tiny model's context of 4096; the manager takes
-    # seconds to start)
+    # (more than either mode generates in 10 s on a CPU, up to the tiny model's context of 4096. The cache is sized
+    # for the load, 512 blocks of 256 tokens and room to spare: sized from the machine's memory, Transformers 5.24
+    # zeroes 9 GiB on a 24 GiB CPU machine before the first step, which takes the whole limit.)
     new, batch = 4000, 4
     args = ["--model", "tiny", "--requests", "32", "--prompt-min", "3", "--prompt-max", "9", "--new", str(new),
             "--static-batch", str(batch), "--time-limit", "10", "--no-progress", "--modes", "cb-flashinfer_mla",
-            "generate-flashinfer_mla"]
+            "generate-flashinfer_mla", "--cb-num-blocks", "1024"]
     assert bench_serving.main(args + CPU + ["--out", str(tmp_path)]) == 0
     cb, static = json.loads((tmp_path / "serving_tiny.json").read_text())["results"]
     for r in (cb, static):
