@@ -92,6 +92,16 @@ _install()
 """
 
 
+def stop_server(process: subprocess.Popen) -> None:
+    """End a server process: asked first, killed if it does not end within 10 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
 @contextlib.contextmanager
 def serving(path: Path, *options: str, log_name: str = "server.log", fault_hook: Path | None = None,
             pinned: bool = True, env: dict | None = None):
@@ -124,12 +134,7 @@ def serving(path: Path, *options: str, log_name: str = "server.log", fault_hook:
             time.sleep(0.5)
         yield url, process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        stop_server(process)
         log.close()
 
 
@@ -1273,12 +1278,7 @@ def test_the_readme_serving_quick_start_runs_as_written(tmp_path):
             time.sleep(0.5)
         sent = subprocess.run(request, capture_output=True, text=True, timeout=REQUEST_TIMEOUT)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        stop_server(process)
     assert sent.returncode == 0, sent.stderr
     data = json.loads(sent.stdout)
     assert data["usage"]["completion_tokens"] == 16 and data["choices"][0]["finish_reason"] == "length", data
