@@ -34,7 +34,7 @@ from .absorption import absorbed_weights, unabsorbable
 from .decode import decode_layer
 from .kernels import Layer, Refused, fa, graphs, ragged
 from .masks import selection_mask
-from .models import attention_with_sinks, original_expand_kv
+from .models import PER_LAYER, attention_with_sinks, global_value, layer_config, original_expand_kv
 from .paged_cache import (
     SLIDING_ATTENTION,
     BlockRows,
@@ -55,6 +55,12 @@ logger = logging.get_logger("hf_flashinfer_mla")
 # cute-dsl where Transformers' pages hold 32-row pages, ``kernels/trtllm.py``).
 GRAPHED_BACKENDS = ("fa3", "fa2", "trtllm-gen", "cute-dsl")
 
+# Whether a sparse (DSA) model's uncompiled steps run every query token absorbed over the rows its indexer picked
+# (the sparse decode kernel, each token a request of its own, as vLLM's sparse MLA backends run prefill and decode
+# alike), rather than expanding each prefill chunk's rows and attending them all under the selection as a mask;
+# False keeps the latter for the A/B of ``scripts/bench_serving.py --modes ...-sparse-expanded``.
+SPARSE_CHUNKS_ABSORBED = True
+
 
 class PagedStep(Routing):
     """One continuous-batching forward, on the host: request ``r`` has ``q_lens[r]`` query tokens (packed in order)
@@ -73,7 +79,8 @@ class PagedStep(Routing):
     q_len = 1  # the routes serve the decode rows: one query token each
 
     def __init__(self, q_lens: torch.Tensor, k_lens: torch.Tensor, tokens: int, page_rows: int = 0,
-                 graphed: bool = False, tables: BlockRows | None = None, read_end: int = 0, width: int = 0):
+                 graphed: bool = False, tables: BlockRows | None = None, read_end: int = 0, width: int = 0,
+                 absorbed: bool = False):
         super().__init__()
         # a sparse model's graphed step: the rows its indexer scores per query token, fixed for the graph's shape
         # (Transformers' padded longest key length, part of its graph's key)
@@ -96,17 +103,20 @@ class PagedStep(Routing):
         self.prefill_groups: dict[tuple, list] = {}  # the prefill chunks' ragged-prefill groups, planned per shape
         self.page_rows = page_rows  # rows per page of a cache storing the latent packed (trtllm-gen reads those)
         end = int(self.kv_offsets[-1])
-        if graphed:
+        self.absorbed = graphed or absorbed
+        if self.absorbed:
             owner = torch.repeat_interleave(torch.arange(self.requests), q_lens)  # each real token's request
             seen = k_lens[owner] - q_lens[owner] + torch.arange(owner.numel()) - self.cu_q[owner] + 1
-            pad = tokens - owner.numel()
+            pad = tokens - owner.numel() if graphed else 0
             lens = torch.cat([seen, seen.new_ones(pad)])
             offsets = torch.cat([self.kv_offsets[owner], end + torch.arange(pad)])
             end += pad
-            self.decode = torch.arange(tokens)  # query tokens, every one absorbed
+            self.decode = torch.arange(owner.numel() + pad)  # query tokens, every one absorbed
+            self.decode_tokens = self.decode
             self.chunks = []
         else:
             self.decode = (q_lens == 1).nonzero().flatten()  # requests that run absorbed
+            self.decode_tokens = self.cu_q[self.decode]  # their query tokens' positions in the packed forward
             # the others with query tokens: prefill chunks (a request may have none: Transformers prefills a prompt
             # to be forked, sampled several times, without its last token, which for a 1-token prompt leaves nothing)
             self.chunks = (q_lens > 1).nonzero().flatten().tolist()
@@ -124,7 +134,7 @@ class PagedStep(Routing):
 
     @classmethod
     def of_batch(cls, requests, allocator: LatentAllocator, tokens: int, capture: bool = False,
-                 read_end: int = 0, max_rows: int = 0) -> PagedStep:
+                 read_end: int = 0, max_rows: int = 0, absorb: bool = False) -> PagedStep:
         """From Transformers' scheduled requests, once `prepare_batch_tensors` has advanced their offsets, over
         `allocator`'s rows (a sliding-window layer sees its window only); graphed where it may be (`capture`) and a
         graph pays for it (`graph_pays`; a sparse model's: its decode steps only). `read_end`: Transformers' padded
@@ -135,7 +145,8 @@ class PagedStep(Routing):
         tables = allocator.block_rows([fs.state.request_id for fs in requests], k)
         graphed = capture and graph_pays(q, k) and not (allocator.index_dim and bool((q > 1).any()))
         width = pad_to_pow2(int(k.max()), max_rows, 1024) if graphed and allocator.index_dim else 0
-        return cls(q, k, tokens, page_rows(allocator), graphed, tables, read_end, width)
+        absorbed = absorb and SPARSE_CHUNKS_ABSORBED and bool(allocator.index_dim) and not graphed
+        return cls(q, k, tokens, page_rows(allocator), graphed, tables, read_end, width, absorbed)
 
     def launch(self, allocator: LatentAllocator) -> None:
         """The step's device work before its forward, on the stream the forward runs on: its rows laid out from the
@@ -199,13 +210,13 @@ def prepare_step(io) -> None:
     Host work only: the step's lengths and block tables, whether it runs in a CUDA graph where Transformers captures
     them (`graph_pays`, `PagedStep.graphed`); its device work waits for its forward (`launch_steps`)."""
     requests, tokens = io.requests_in_batch, io.num_q_tokens
-    capturable = (getattr(io, "use_cuda_graph_varlen", False) and not io.use_block_table
-                  and _fits_one_graph(io, tokens))
+    fits = _fits_one_schedule(io, tokens)
+    capturable = getattr(io, "use_cuda_graph_varlen", False) and not io.use_block_table and fits
     for allocator in io.cache.cache_allocators.values():
         if isinstance(allocator, LatentAllocator):
             capture = capturable and _graphs_still_hold(allocator)
             allocator.step = step = PagedStep.of_batch(requests, allocator, tokens, capture, io.max_kv_read + tokens,
-                                                       io.cache.max_tokens_read)
+                                                       io.cache.max_tokens_read, absorb=fits)
             step.serial, allocator.steps_prepared = allocator.steps_prepared, allocator.steps_prepared + 1
 
 
@@ -249,11 +260,15 @@ def page_rows(allocator: LatentAllocator) -> int:
     return allocator.tokens_per_page if packed and not isinstance(allocator, SlidingLatentAllocator) else 0
 
 
-def _fits_one_graph(io, tokens: int) -> bool:
+def _fits_one_schedule(io, tokens: int) -> bool:
     """Whether FlashInfer's scheduler accepts every decode step of `tokens` rows (its work-item capacity), so that a
-    graph captured on fa3/fa2 never meets a step it declines (``kernels/fa.py`` `refusal_for_every_step`). trtllm-gen
-    has no such bound; its steps are held to fa's, which only leaves larger ones uncompiled."""
-    heads = io.config.get_text_config().num_attention_heads
+    graph captured on fa3/fa2 never meets a step it declines (``kernels/fa.py`` `refusal_for_every_step`), and a
+    sparse step absorbing every query token runs on one plan. trtllm-gen has no such bound; its steps are held to
+    fa's, which only leaves larger ones uncompiled, or their prefill chunks expanded."""
+    text = io.config.get_text_config()
+    heads = global_value(text, "num_attention_heads")
+    if heads == PER_LAYER:  # (the most heads of any layer: its query tiles are the most work items)
+        heads = max(layer_config(text, i).num_attention_heads for i in range(text.num_hidden_layers))
     device = torch.device(io.cache.device)  # (under asynchronous batching `io` is the host's)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     return fa.work_items_bound(tokens, 1, heads, sms) <= fa.MAX_WORK_ITEMS
@@ -293,7 +308,7 @@ def attend(allocator: LatentAllocator, module, query, kv_latent, k_rot, scaling,
     decode = step.decode if weights is not None else step.decode[:0]
     if len(decode):
         all_decode = len(decode) == t  # every query token decodes (a graphed step's always do)
-        tokens = None if all_decode else step.cu_q[decode]
+        tokens = None if all_decode else step.decode_tokens
         q = query if all_decode else query[:, :, to_device(tokens, query.device)]
         rows = None
         if indices is not None:  # the selected rows of each decode request, in the layer's view: [N, 1, topk]

@@ -141,13 +141,14 @@ def calls(step, heads: int) -> list[Call]:
     """The step's indexer calls: its decode requests together, each prefill chunk alone, in slices whose scores
     (``[G, heads, q, width]`` fp32) fit `SCORE_BYTES`. Planned once per step, on the host."""
     out = []
-    decode = step.decode.tolist()
+    # (by request, whether or not the step's attention runs every query token absorbed, ``PagedStep.absorbed``)
+    decode = (step.q_lens == 1).nonzero().flatten().tolist()
     if decode:
         width = int(step.k_lens[decode].max())
         per = max(1, SCORE_BYTES // (heads * width * 4))
         for i in range(0, len(decode), per):
             out.append(_call(step, decode[i : i + per], 0, 1))
-    for r in step.chunks:
+    for r in (step.q_lens > 1).nonzero().flatten().tolist():
         q, k = int(step.q_lens[r]), int(step.k_lens[r])
         per = max(1, SCORE_BYTES // (heads * k * 4))
         for first in range(0, q, per):

@@ -20,6 +20,11 @@ off). Modes, in one run:
                            the same without asynchronous batching and with every request's rows listed by
                            Transformers token by token in Python each step (``paged_cache.ROWS_FROM_BLOCK_TABLES``
                            off), instead of laid out from the block tables: the A/B of both
+  cb-flashinfer_mla-sparse-expanded
+                           a sparse (DSA) model's prefill chunks expanded through kv_b_proj and attended with SDPA
+                           under the indexer's selection as a mask, one request at a time, instead of every query
+                           token absorbed over its selected rows (``paged_attention.SPARSE_CHUNKS_ABSORBED``): the A/B
+                           of both
   cb-sdpa                  the same with attn_implementation="sdpa": Transformers' own paging of the MLA latent
                            (its MLACacheAllocator, 5.25+; skipped before), its own defaults for CUDA graphs and
                            asynchronous batching (5.25: both off for sdpa, which needs an attention mask); never
@@ -60,7 +65,8 @@ import bench_common as bc
 
 MODES = ("cb-flashinfer_mla", "cb-flashinfer_mla-decode-graphs", "cb-flashinfer_mla-no-graphs", "cb-sdpa",
          "generate-flashinfer_mla", "generate-sdpa")
-AB_MODES = ("cb-flashinfer_mla-sdpa-prefill", "cb-flashinfer_mla-sync", "cb-flashinfer_mla-token-indices")
+AB_MODES = ("cb-flashinfer_mla-sdpa-prefill", "cb-flashinfer_mla-sync", "cb-flashinfer_mla-token-indices",
+            "cb-flashinfer_mla-sparse-expanded")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -94,7 +100,7 @@ def progress(total: int, desc: str, enabled: bool):
 
 
 def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, mixed_graphs=True,
-           asynchronous=None, token_indices=False) -> dict:
+           asynchronous=None, token_indices=False, sparse_expanded=False) -> dict:
     from loop_split import LoopSplit
     from step_split import StepSplit
 
@@ -106,6 +112,7 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, 
     loop = LoopSplit(device).install() if args.loop_split and attn == "flashinfer_mla" else None
     supported, pays, prepare = ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step
     paged_cache.ROWS_FROM_BLOCK_TABLES = not token_indices
+    paged_attention.SPARSE_CHUNKS_ABSORBED = not sparse_expanded
     if sdpa_prefill:
         ragged.supported_dims = lambda qk, vo: False
     if not mixed_graphs:
@@ -139,7 +146,7 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, 
         return got
     finally:
         ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step = supported, pays, prepare
-        paged_cache.ROWS_FROM_BLOCK_TABLES = True
+        paged_cache.ROWS_FROM_BLOCK_TABLES = paged_attention.SPARSE_CHUNKS_ABSORBED = True
         if loop is not None:
             loop.uninstall()
 
@@ -297,9 +304,9 @@ def run(mode, model, prompts, args, device) -> dict:
     kind, attn = mode.split("-", 1)
     prefill_ab, graphs = attn.endswith("-sdpa-prefill"), not attn.endswith("-no-graphs")
     mixed_graphs = not attn.endswith("-decode-graphs")
-    token_indices = attn.endswith("-token-indices")
+    token_indices, sparse_expanded = attn.endswith("-token-indices"), attn.endswith("-sparse-expanded")
     asynchronous = False if attn.endswith(("-sync", "-token-indices")) else None
-    for suffix in ("-sdpa-prefill", "-no-graphs", "-decode-graphs", "-sync", "-token-indices"):
+    for suffix in ("-sdpa-prefill", "-no-graphs", "-decode-graphs", "-sync", "-token-indices", "-sparse-expanded"):
         attn = attn.removesuffix(suffix)
     why = unpageable(attn) if kind == "cb" else None
     if why:
@@ -310,7 +317,8 @@ def run(mode, model, prompts, args, device) -> dict:
     try:
         if kind == "cb":
             got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab, graphs=graphs,
-                         mixed_graphs=mixed_graphs, asynchronous=asynchronous, token_indices=token_indices)
+                         mixed_graphs=mixed_graphs, asynchronous=asynchronous, token_indices=token_indices,
+                         sparse_expanded=sparse_expanded)
             rec.update(got["setup"])
         else:
             got = run_static(model, attn, prompts, args, device)

@@ -66,8 +66,8 @@ def steps(monkeypatch):
     seen = Steps()
     original = paged_attention.PagedStep.of_batch
 
-    def of_batch(requests, allocator, *args):
-        step = original(requests, allocator, *args)
+    def of_batch(requests, allocator, *args, **kwargs):
+        step = original(requests, allocator, *args, **kwargs)
         into = seen.windows if isinstance(allocator, SlidingLatentAllocator) else seen
         into.append((step.q_lens.tolist(), step.k_lens.tolist()))
         return step

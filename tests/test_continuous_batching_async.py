@@ -31,8 +31,8 @@ def emulated_async(monkeypatch):
     planned = []
     of_batch = paged_attention.PagedStep.of_batch
 
-    def recorded(requests, allocator, *args):
-        step = of_batch(requests, allocator, *args)
+    def recorded(requests, allocator, *args, **kwargs):
+        step = of_batch(requests, allocator, *args, **kwargs)
         planned.append(step.k_lens.tolist())
         return step
 
@@ -116,7 +116,7 @@ def test_a_plan_from_the_previous_steps_lengths_gives_other_tokens(emulated_asyn
     batching."""
     stale = []
 
-    def previous_lengths(requests, allocator, tokens, capture=False, read_end=0, max_rows=0):
+    def previous_lengths(requests, allocator, tokens, capture=False, read_end=0, max_rows=0, absorb=False):
         q = torch.tensor([fs.query_length for fs in requests], dtype=torch.long)
         k = torch.tensor([fs.state.position_offset for fs in requests], dtype=torch.long) - (q == 1).long()
         k = k.clamp_min(q)  # (a 1-token prompt's first step had no row before it)

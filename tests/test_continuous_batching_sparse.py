@@ -82,9 +82,10 @@ def observed(monkeypatch):
     def spy_select(indexer, forward, bound, allocator):
         out = select(indexer, forward, bound, allocator)
         step = allocator.step
-        if len(step.decode):
-            tokens = step.cu_q[step.decode]
-            seen["selections"].append((step.k_lens[step.decode], (out[0, tokens] >= 0).sum(-1)))
+        decode = (step.q_lens == 1).nonzero().flatten()  # the requests of one query token
+        if len(decode):
+            tokens = step.cu_q[decode]
+            seen["selections"].append((step.k_lens[decode], (out[0, tokens] >= 0).sum(-1)))
         return out
 
     def spy_search(self, *args):
@@ -216,6 +217,81 @@ def test_control_a_selection_keeping_every_row_fails(fake_hopper, monkeypatch, o
         indexer.index_topk = 10**6
     out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
     assert indexers and all(bool((kept == visible).all()) for visible, kept in observed["selections"])
+    assert [o.generated_tokens for o in out.values()] != expected
+
+
+# -------------------------------------------------------------------------------- prefill chunks, absorbed
+@pytest.fixture
+def absorbed_steps(monkeypatch):
+    """Per step planned: whether every query token ran absorbed (``PagedStep.absorbed``), and its query lengths."""
+    seen = []
+    of_batch = paged_attention.PagedStep.of_batch
+
+    def recorded(requests, allocator, *args, **kwargs):
+        step = of_batch(requests, allocator, *args, **kwargs)
+        seen.append((step.absorbed, step.q_lens.tolist()))
+        return step
+
+    monkeypatch.setattr(paged_attention.PagedStep, "of_batch", staticmethod(recorded))
+    return seen
+
+
+def _expanded_prefills(monkeypatch) -> list:
+    """Counts the prefill chunks attended with SDPA over their expanded rows (``paged_attention._prefill``)."""
+    calls = []
+    sdpa = paged_attention.sdpa_attention_forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "sdpa_attention_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
+def test_sparse_prefill_chunks_on_the_fa3_stand_in_match_eager(fake_hopper, monkeypatch, absorbed_steps, absorbed):
+    """A sparse model's steps with prefill chunks run every query token absorbed over the rows its indexer picked,
+    on FlashInfer's sparse kernel (one request per token), and give eager's tokens; so does the expanded path it
+    replaces (``SPARSE_CHUNKS_ABSORBED`` off: chunks expanded and attended under the selection as a mask)."""
+    monkeypatch.setattr(paged_attention, "SPARSE_CHUNKS_ABSORBED", absorbed)
+    model, runs = _on_fa3(fake_hopper, monkeypatch)
+    expanded = _expanded_prefills(monkeypatch)
+    batch = requests()
+    expected = [(None, tokens) for tokens in eager_tokens(model, batch, NEW_TOKENS)]
+    out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
+    assert [(o.error, o.generated_tokens) for o in out.values()] == expected
+    chunked = [ran for ran, q_lens in absorbed_steps if max(q_lens) > 1]
+    assert chunked and all(ran == absorbed for ran in chunked)
+    assert bool(expanded) != absorbed  # (expanded: SDPA ran; absorbed: never)
+    if absorbed:  # plans of a whole step's tokens, each over min(topk, visible) rows
+        topk = model.config.get_text_config(decoder=True).index_topk
+        plans = [p for p in fake_hopper.modules["fa3"].plans if (p["kv_len"] <= topk).all()]
+        assert max(len(p["kv_len"]) for p in plans) > serving_cb().max_requests_per_batch
+
+
+def test_control_absorbed_prefill_tokens_reading_their_chunks_last_selection_fails(fake_hopper, monkeypatch,
+                                                                                    absorbed_steps):
+    """Control: every prefill token of a chunk given its chunk's last token's selection (rows after its own among
+    them) gives other tokens than eager's: the absorbed prefill tokens' attention reaches the answers. The fault is
+    shown to have changed selections of absorbed steps."""
+    model, _ = _on_fa3(fake_hopper, monkeypatch)
+    batch = requests()
+    expected = eager_tokens(model, batch, NEW_TOKENS)
+    select, changed = paged_indexer.select, []
+
+    def last_tokens_selection(indexer, forward, bound, allocator):
+        out = select(indexer, forward, bound, allocator)
+        step = allocator.step
+        for r in (step.q_lens > 1).nonzero().flatten().tolist():
+            first, last = int(step.cu_q[r]), int(step.cu_q[r + 1]) - 1
+            changed.append(step.absorbed and not torch.equal(out[0, first:last], out[0, last].expand(last - first, -1)))
+            out[0, first:last] = out[0, last]
+        return out
+
+    monkeypatch.setattr(paged_indexer, "select", last_tokens_selection)
+    out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
+    assert any(changed)
     assert [o.generated_tokens for o in out.values()] != expected
 
 
