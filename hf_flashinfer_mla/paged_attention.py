@@ -14,9 +14,11 @@ Under continuous batching the attention function receives every request's query 
 * Prefill chunks, which continuous batching mixes with decodes in one batch, are expanded through the model's own
   ``expand_kv`` and attended causally: on FlashInfer's ragged prefill, one launch per group of requests, where the
   decode runs on fa3 (``kernels/ragged.py``), else with Transformers' SDPA one request at a time.
-* A sparse (DSA) layer's `indices` are its selection in the step's read indices (``paged_indexer.py``): decode
-  requests attend over those rows of the layer (fa3/fa2 take them as pages of one row, the reference gathers them),
-  prefill chunks get them folded into their causal mask, as generate()'s prefill does (``masks.selection_mask``).
+* A sparse (DSA) layer's `indices` are its selection in the step's read indices (``paged_indexer.py``): every query
+  token, a prefill chunk's too, attends absorbed over those rows of the layer (fa3/fa2 take them as pages of one row,
+  the reference gathers them; `PagedStep.absorbed`). Where a step cannot run so (more tokens than FlashInfer's
+  scheduler takes, a layer that cannot absorb) its chunks get them folded into their causal mask, as generate()'s
+  prefill does (``masks.selection_mask``).
 """
 
 from __future__ import annotations
@@ -68,11 +70,12 @@ class PagedStep(Routing):
     Its decode rows' routes are shared by its layers (`plan.Routing`).
 
     An uncompiled step's decode rows are its requests of one query token; its other requests with query tokens are
-    prefill chunks (`_prefill`). A `graphed` step runs in a CUDA graph (`graph_pays`): every query token of the
-    padded forward is a decode row, absorbed, so that one capture serves every mix of decodes and chunks of its
-    token count. Token ``i`` of a request with ``q`` query tokens and ``k`` rows reads its first ``k - q + i + 1``
-    rows (causal: a decode reads all ``k``); a padding token reads one entry of the read indices' padded tail, which
-    Transformers fills with its read-trash row (its outputs are never read). Its routes run the CUDA-graph slots of
+    prefill chunks (`_prefill`). An `absorbed` step has every query token as a decode row: a `graphed` one, which
+    runs in a CUDA graph (`graph_pays`), so that one capture serves every mix of decodes and chunks of its token
+    count (the padded forward's tokens), and a sparse model's uncompiled one (`SPARSE_CHUNKS_ABSORBED`). There token
+    ``i`` of a request with ``q`` query tokens and ``k`` rows reads its first ``k - q + i + 1`` rows (causal: a
+    decode reads all ``k``); a padding token reads one entry of the read indices' padded tail, which Transformers
+    fills with its read-trash row (its outputs are never read). A graphed step's routes run the CUDA-graph slots of
     that many rows (``kernels/graphs.py``), which `prepare_step` reloads before each replay."""
 
     paged = True
