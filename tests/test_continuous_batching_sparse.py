@@ -295,6 +295,28 @@ def test_control_absorbed_prefill_tokens_reading_their_chunks_last_selection_fai
     assert [o.generated_tokens for o in out.values()] != expected
 
 
+def test_absorbed_tokens_on_the_reference_in_slices_match_eager(monkeypatch):
+    """The reference attends a step's absorbed tokens in slices bounded by ``PAGED_SPARSE_BYTES`` (a step's tokens
+    over their selected rows would otherwise be gathered at once): at one token per slice, eager's tokens; every
+    prompt token went through a slice of its own."""
+    from hf_flashinfer_mla.kernels import reference
+
+    monkeypatch.setattr(reference, "PAGED_SPARSE_BYTES", 1)
+    sliced, real = [], reference._paged_sparse
+
+    def counted(layer, q_lat, *args):
+        sliced.append(q_lat.shape[1])
+        return real(layer, q_lat, *args)
+
+    monkeypatch.setattr(reference, "_paged_sparse", counted)
+    model = sparse_model("deepseek_v32", dtype=torch.float32)
+    batch = requests(12, shared=0)
+    expected = eager_tokens(model, batch)
+    out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
+    assert [o.generated_tokens for o in out.values()] == expected
+    assert set(sliced) == {1} and len(sliced) >= sum(len(p) for p in batch)
+
+
 # ------------------------------------------------------------------------------- sliding-window layers beside DSA
 # dots3's sliding-window layers keep each request's last `sliding_window` tokens (4 in the test model) in a ring of
 # pages, with a latent of their own width; its DSA layers page as the other families' do.

@@ -30,14 +30,21 @@ def build(backend: str, step, layer, into=None, staged=None):
 
 
 PAGED_SPARSE = "paged sparse"
+# The most bytes a paged sparse call gathers and scores at once: a continuous-batching step absorbs every query token
+# of a DSA model (``paged_attention.PagedStep.absorbed``), and 4096 tokens over 2048 selected 576-wide rows would
+# otherwise gather 9.7 GB, plus their scores; the tokens are independent, so slices of them give the same result.
+PAGED_SPARSE_BYTES = 1 << 30
 
 
 def run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None, sinks=None) -> torch.Tensor:
     if meta is PAGED_SPARSE:  # indices [B, 1, topk]: rows of the paged cache's [1, 1, rows, D] views, -1 for none
         b, _, k = indices.shape
-        kv_latent, k_rot = (cache[0, 0].index_select(0, indices.clamp_min(0).flatten().long()).view(b, 1, k, -1)
-                            for cache in (kv_latent, k_rot))
-        return attend((indices >= 0)[:, None], layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)
+        per_token = k * ((kv_latent.shape[-1] + k_rot.shape[-1]) * kv_latent.element_size() + 8 * q_lat.shape[0])
+        per = max(1, PAGED_SPARSE_BYTES // per_token)
+        if b <= per:
+            return _paged_sparse(layer, q_lat, q_pe, kv_latent, k_rot, indices, sinks)
+        return torch.cat([_paged_sparse(layer, q_lat[:, i : i + per], q_pe[i : i + per], kv_latent, k_rot,
+                                        indices[i : i + per], sinks) for i in range(0, b, per)], dim=1)
     if isinstance(meta, tuple):  # (rows [B, W] of a paged cache's [1, 1, rows, D] views, mask [B, 1, 1, W])
         index, mask = meta
         b, width = index.shape
@@ -48,6 +55,14 @@ def run(meta, layer, q_lat, q_pe, kv_latent, k_rot, kv_scales=None, indices=None
     if layer.topk:
         return attend_sparse(mask, indices, layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)
     return attend(mask, layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)
+
+
+def _paged_sparse(layer, q_lat, q_pe, kv_latent, k_rot, indices, sinks) -> torch.Tensor:
+    """Query tokens ``[H, B, L]`` over their selected rows ``indices [B, 1, topk]`` of the paged cache."""
+    b, _, k = indices.shape
+    kv_latent, k_rot = (cache[0, 0].index_select(0, indices.clamp_min(0).flatten().long()).view(b, 1, k, -1)
+                        for cache in (kv_latent, k_rot))
+    return attend((indices >= 0)[:, None], layer.scale, q_lat, q_pe, kv_latent, k_rot, sinks)
 
 
 def attend(mask, scale: float, q_lat, q_pe, kv_latent, k_rot, sinks=None) -> torch.Tensor:
