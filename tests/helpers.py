@@ -240,6 +240,18 @@ def _perturb_identity_parameters(model, seed: int) -> None:
                 p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype))
 
 
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """``owner.name`` replaced by a spy that runs it and counts its calls: the list gets one entry per call."""
+    calls, real = [], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def set_attention(model, name: str) -> None:
     """Switch `model`'s attention to `name`; for a multimodal model, its text model's (custom implementations
     are set per sub-model, and a test compares the language model's attention only)."""

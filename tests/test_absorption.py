@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune
-from helpers import (BNB_RANK, assert_batch_matches_eager_alone, decode_logits, kv_b_proj_to_4bit, left_padded_batch, make_model,
-                     rel_err)
+from helpers import (BNB_RANK, assert_batch_matches_eager_alone, count_calls, decode_logits, kv_b_proj_to_4bit,
+                     left_padded_batch, make_model, rel_err)
 from torch import nn
 from transformers import DynamicCache
 from transformers.integrations import finegrained_fp8
@@ -33,15 +33,7 @@ def _attention_modules(model):
 
 def _count_reference_calls(monkeypatch):
     """Count absorbed decode calls (on the CPU every absorbed decode runs the reference backend)."""
-    calls = []
-    real = reference.mla_attention_reference
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(reference, "mla_attention_reference", counted)
-    return calls
+    return count_calls(monkeypatch, reference, "mla_attention_reference")
 
 
 # ------------------------------------------------------------------- weights that follow training, copies and moves

@@ -17,7 +17,7 @@ from transformers import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from fake_flashinfer import fake_hopper  # noqa: F401  (fixture)
-from helpers import DSA_FAMILIES, VOCAB, make_model, set_attention
+from helpers import DSA_FAMILIES, VOCAB, count_calls, make_model, set_attention
 from hf_flashinfer_mla import UnsupportedModelError, paged_attention, paged_indexer
 from hf_flashinfer_mla.kernels import fa
 from hf_flashinfer_mla.paged_cache import SlidingLatentAllocator
@@ -236,19 +236,6 @@ def absorbed_steps(monkeypatch):
     return seen
 
 
-def _expanded_prefills(monkeypatch) -> list:
-    """Counts the prefill chunks attended with SDPA over their expanded rows (``paged_attention._prefill``)."""
-    calls = []
-    sdpa = paged_attention.sdpa_attention_forward
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(paged_attention, "sdpa_attention_forward", counted)
-    return calls
-
-
 @pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
 def test_sparse_prefill_chunks_on_the_fa3_stand_in_match_eager(fake_hopper, monkeypatch, absorbed_steps, absorbed):
     """A sparse model's steps with prefill chunks run every query token absorbed over the rows its indexer picked,
@@ -256,7 +243,7 @@ def test_sparse_prefill_chunks_on_the_fa3_stand_in_match_eager(fake_hopper, monk
     replaces (``SPARSE_CHUNKS_ABSORBED`` off: chunks expanded and attended under the selection as a mask)."""
     monkeypatch.setattr(paged_attention, "SPARSE_CHUNKS_ABSORBED", absorbed)
     model, runs = _on_fa3(fake_hopper, monkeypatch)
-    expanded = _expanded_prefills(monkeypatch)
+    expanded = count_calls(monkeypatch, paged_attention, "sdpa_attention_forward")  # (chunks expanded: `_prefill`)
     batch = requests()
     expected = [(None, tokens) for tokens in eager_tokens(model, batch, NEW_TOKENS)]
     out = model.generate_batch(batch, generation_config=greedy(NEW_TOKENS), continuous_batching_config=serving_cb())
