@@ -21,6 +21,13 @@ A decode step in a CUDA graph (``paged_attention.PagedStep.graphed``) runs the s
 buffer the step's launch writes before each replay, so the selection is made on the GPU and feeds the sparse kernel
 without a host round trip.
 
+An indexer whose forward is DeepSeek-V3.2's (`OWN_ROWS_INDEXERS`: its family's classes differ in their rotary only)
+is not called: its queries, keys and head weights come from its own modules (`scoring_inputs`), and its scores are
+computed over each query token's own rows only (``kernels/index_scores.py``: a Triton kernel on CUDA), where its own
+call scores every token of a group over the group's longest rows, and a graph's padding tokens over all of them.
+Each step's geometry is the same `Call`s (or the graph's ``token_rows``); `SCORES_OVER_OWN_ROWS` False calls the
+model's forward instead, for A/Bs.
+
 Transformers builds no mask for a paged cache, and a DSA layer slices its mask (``attention_mask[:, 0]``) before it
 calls its indexer: `step_mask` gives those layers an empty one (``[1, 1, T, 0]``), which the indexer here never
 reads.
@@ -30,17 +37,25 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from .errors import UnsupportedModelError
+from .kernels import index_scores
 from .paged_cache import LatentAllocator, index_width, uses_latent
 from .rows import to_device
 
 # The most fp32 scores one indexer call may hold (``[G, H, q, keys]``): a prefill chunk of 8k tokens over 32k rows
 # at 64 index heads would otherwise take 64 GiB.
 SCORE_BYTES = 1 << 30
+
+# Indexers whose forward is DeepSeek-V3.2's, by class name: the rotary function (of their modeling module) it applies
+# to the queries' and keys' first ``qk_rope_head_dim`` channels. `scoring_inputs` follows that forward.
+OWN_ROWS_INDEXERS = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
+# Whether those indexers' scores are computed over each token's own rows (False: their forward runs per group).
+SCORES_OVER_OWN_ROWS = True
 
 # The indexer arguments a group's call is sliced from (the rest are passed on as they are): how their token
 # dimension is laid out. A family whose indexer takes another tensor is refused (`refusal`).
@@ -189,10 +204,33 @@ def select(indexer, forward, bound: inspect.BoundArguments, allocator: LatentAll
     if step.index_calls is None:
         step.index_calls = calls(step, getattr(indexer, "n_heads", 64))
     keys = allocator.index_keys(indexer.layer_idx)
+    by = _picks_over_own_rows if scores_own_rows(indexer) else _picks_by_forward
+    picks = by(indexer, forward, bound, step.index_calls, keys, source, write_index)
+    topk = max(p.shape[-1] for _, p in picks)
+    selection = torch.full((total, topk), -1, dtype=torch.int32, device=device)
+    for tokens, p in picks:
+        selection[tokens, : p.shape[-1]] = p.to(torch.int32)
+    return selection[None]
+
+
+def _picks_over_own_rows(indexer, forward, bound, index_calls, keys, source, write_index) -> list[tuple]:
+    """Per call: its tokens and their selections, scored here over each token's own rows."""
+    q, w = _write_keys(indexer, bound, keys, write_index)
     picks = []
-    for call in step.index_calls:
+    for call in index_calls:
+        tokens, last, offsets, _, read = call.device_view(q.device, source, write_index)
+        first = offsets[:, None].expand(-1, call.q).flatten()
+        picks.append((tokens, _pick(indexer, q[tokens], w[tokens], keys, source, first, (last + 1).flatten(),
+                                    read.shape[1])))
+    return picks
+
+
+def _picks_by_forward(indexer, forward, bound, index_calls, keys, source, write_index) -> list[tuple]:
+    """Per call: its tokens and their selections, by the indexer's own forward over the call's requests."""
+    picks = []
+    for call in index_calls:
         g, q = len(call.requests), call.q
-        tokens, last, offsets, written, read = call.device_view(device, source, write_index)
+        tokens, last, offsets, written, read = call.device_view(keys.device, source, write_index)
         args = bound.arguments.copy()
         for name, kind in _TOKEN_DIM.items():
             if name not in args or args[name] is None:
@@ -202,18 +240,13 @@ def select(indexer, forward, bound: inspect.BoundArguments, allocator: LatentAll
             elif kind == "positions":
                 value = args[name]
                 args[name] = value.index_select(-1, tokens).view(*value.shape[:-2], g, q)
-        args["attention_mask"] = torch.arange(read.shape[1], device=device) <= last[..., None]  # [G, q, width]
+        args["attention_mask"] = torch.arange(read.shape[1], device=keys.device) <= last[..., None]  # [G, q, width]
         args["cache"] = RequestRows(keys, written, read)
         call_args = inspect.BoundArguments(bound.signature, args)
         local = forward(*call_args.args, **call_args.kwargs).long()  # [G, q, k]
         seen = local <= last[..., None]  # (the indexer ranks what its mask hides last)
-        position = offsets[:, None, None] + local
-        picks.append((tokens, torch.where(seen, position, -1).view(g * q, -1)))
-    topk = max(p.shape[-1] for _, p in picks)
-    selection = torch.full((total, topk), -1, dtype=torch.int32, device=device)
-    for tokens, p in picks:
-        selection[tokens, : p.shape[-1]] = p.to(torch.int32)
-    return selection[None]
+        picks.append((tokens, torch.where(seen, offsets[:, None, None] + local, -1).view(g * q, -1)))
+    return picks
 
 
 def _select_in_graph(indexer, forward, bound: inspect.BoundArguments, allocator: LatentAllocator, step, source,
@@ -225,10 +258,15 @@ def _select_in_graph(indexer, forward, bound: inspect.BoundArguments, allocator:
     hidden = bound.arguments["hidden_states"]
     device, tokens, width = hidden.device, step.tokens, step.width
     offsets, lens = allocator.token_rows[0, :tokens], allocator.token_rows[1, :tokens]
+    keys = allocator.index_keys(indexer.layer_idx)
+    if scores_own_rows(indexer):  # (the scores of each token's own rows: a padding token's one row)
+        q, w = _write_keys(indexer, bound, keys, write_index)
+        per = max(1, SCORE_BYTES // (getattr(indexer, "n_heads", 64) * width * 4))
+        return torch.cat([_pick(indexer, q[a : a + per], w[a : a + per], keys, source, offsets[a : a + per],
+                                lens[a : a + per], width) for a in range(0, tokens, per)]).to(torch.int32)[None]
     j = torch.arange(width, device=device)
     read = source.index_select(0, (offsets[:, None] + torch.where(j < lens[:, None], j, 0)).flatten())
     read, last = read.view(tokens, width), (lens - 1)[:, None]
-    keys = allocator.index_keys(indexer.layer_idx)
     per = max(1, SCORE_BYTES // (getattr(indexer, "n_heads", 64) * width * 4))
     picks = []
     for first in range(0, tokens, per):
@@ -250,6 +288,47 @@ def _select_in_graph(indexer, forward, bound: inspect.BoundArguments, allocator:
         seen = local <= last[first : first + g, :, None]
         picks.append(torch.where(seen, offsets[first : first + g, None, None] + local, -1).view(g, -1))
     return torch.cat(picks).to(torch.int32)[None]
+
+
+def scores_own_rows(indexer) -> bool:
+    """Whether `indexer`'s scores are computed here over each token's own rows (the module's docstring)."""
+    name = type(indexer).__name__
+    return (SCORES_OVER_OWN_ROWS and name in OWN_ROWS_INDEXERS
+            and hasattr(sys.modules[type(indexer).__module__], OWN_ROWS_INDEXERS[name]))
+
+
+def scoring_inputs(indexer, arguments: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What an `OWN_ROWS_INDEXERS` indexer scores with, for the packed forward's ``T`` tokens, computed as its own
+    forward computes them: queries ``[T, H, D]`` after rotary, keys ``[T, D]``, head weights ``[T, H]`` float32
+    (its ``n_heads ** -0.5`` included)."""
+    hidden, q_resid = arguments["hidden_states"], arguments["q_resid"]
+    cos, sin = arguments["position_embeddings"]
+    rotary = getattr(sys.modules[type(indexer).__module__], OWN_ROWS_INDEXERS[type(indexer).__name__])
+    b, s, _ = hidden.shape
+    rope, h = indexer.qk_rope_head_dim, indexer.n_heads
+    q = indexer.wq_b(q_resid).view(b, s, h, indexer.head_dim)
+    k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)
+    q_rot, k_rot = rotary(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q[..., rope:]], dim=-1)
+    k = torch.cat([k_rot, k[..., rope:]], dim=-1).squeeze(2)
+    w = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * h**-0.5
+    return q[0], k[0], w[0]
+
+
+def _write_keys(indexer, bound: inspect.BoundArguments, keys: torch.Tensor, write_index: torch.Tensor):
+    """The forward's new indexer keys written into the paged rows (every token's before any is scored: a token reads
+    no row past its own); returns its queries and head weights."""
+    q, k, w = scoring_inputs(indexer, bound.arguments)
+    keys.index_copy_(0, write_index[: k.shape[0]], k.to(keys.dtype))
+    return q, w
+
+
+def _pick(indexer, q, w, keys, source, first, lens, width: int) -> torch.Tensor:
+    """Each token's top-k of its own rows (``source[first + j]``, ``j < lens``) as positions in the step's read
+    indices, -1 past its rows (what the model's top-k of its masked scores gives)."""
+    scores = index_scores.scores(q, w, keys, source, first, lens, width, indexer.softmax_scale)
+    local = scores.topk(min(indexer.index_topk, width), dim=-1).indices
+    return torch.where(local < lens[:, None], first[:, None] + local, -1)
 
 
 def _per_request(value, tokens: torch.Tensor, g: int, q: int):

@@ -25,6 +25,10 @@ off). Modes, in one run:
                            under the indexer's selection as a mask, one request at a time, instead of every query
                            token absorbed over its selected rows (``paged_attention.SPARSE_CHUNKS_ABSORBED``): the A/B
                            of both
+  cb-flashinfer_mla-indexer-forward
+                           a DeepSeek-V3.2-style indexer run by its own forward per request group, scoring each
+                           token over its group's longest rows (a graph's padding tokens included), instead of over
+                           each token's own rows (``paged_indexer.SCORES_OVER_OWN_ROWS``): the A/B of both
   cb-sdpa                  the same with attn_implementation="sdpa": Transformers' own paging of the MLA latent
                            (its MLACacheAllocator, 5.25+; skipped before), its own defaults for CUDA graphs and
                            asynchronous batching (5.25: both off for sdpa, which needs an attention mask); never
@@ -66,7 +70,7 @@ import bench_common as bc
 MODES = ("cb-flashinfer_mla", "cb-flashinfer_mla-decode-graphs", "cb-flashinfer_mla-no-graphs", "cb-sdpa",
          "generate-flashinfer_mla", "generate-sdpa")
 AB_MODES = ("cb-flashinfer_mla-sdpa-prefill", "cb-flashinfer_mla-sync", "cb-flashinfer_mla-token-indices",
-            "cb-flashinfer_mla-sparse-expanded")
+            "cb-flashinfer_mla-sparse-expanded", "cb-flashinfer_mla-indexer-forward")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -76,9 +80,13 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-def make_prompts(args, vocab: int) -> list[list[int]]:
+def make_prompts(args, vocab: int, seed: int | None = None) -> list[list[int]]:
+    """`args.requests` prompts of random tokens; their lengths depend on `args.seed` alone, their tokens on `seed`
+    (default: `args.seed`): a warm pass's prompts have the timed pass's lengths and share no prefix with them."""
     g = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g)
+    if seed is not None and seed != args.seed:
+        g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in lengths]
 
 
@@ -100,11 +108,11 @@ def progress(total: int, desc: str, enabled: bool):
 
 
 def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, mixed_graphs=True,
-           asynchronous=None, token_indices=False, sparse_expanded=False) -> dict:
+           asynchronous=None, token_indices=False, sparse_expanded=False, indexer_forward=False) -> dict:
     from loop_split import LoopSplit
     from step_split import StepSplit
 
-    from hf_flashinfer_mla import paged_attention, paged_cache
+    from hf_flashinfer_mla import paged_attention, paged_cache, paged_indexer
     from hf_flashinfer_mla.kernels import ragged
 
     # The A/B switches: with no head dims "supported", paged_attention.py prefills every chunk on SDPA (its
@@ -113,12 +121,22 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, 
     supported, pays, prepare = ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step
     paged_cache.ROWS_FROM_BLOCK_TABLES = not token_indices
     paged_attention.SPARSE_CHUNKS_ABSORBED = not sparse_expanded
+    paged_indexer.SCORES_OVER_OWN_ROWS = not indexer_forward
     if sdpa_prefill:
         ragged.supported_dims = lambda qk, vo: False
     if not mixed_graphs:
         paged_attention.graph_pays = lambda q_lens, k_lens: bool((q_lens == 1).all())
     steps = {"steps": 0, "graphed_steps": 0, "graphed_mixed_steps": 0}
-    split = StepSplit(device) if args.step_split and attn == "flashinfer_mla" else None
+    split = None
+
+    def measure():  # (the timed pass starts: what the warm pass counted is dropped)
+        nonlocal split
+        steps.update(dict.fromkeys(steps, 0))
+        # (with a warm pass before, every graph the timed pass replays exists: its replays can be profiled too)
+        split = StepSplit(device, graphed=args.warm_run) if args.step_split and attn == "flashinfer_mla" else None
+        if loop is not None:
+            loop.steps.clear()
+            loop.events.clear()
 
     def counted(io):  # (every step of the package's, as its seam on prepare_batch_tensors hands it over)
         if split is not None:
@@ -135,7 +153,8 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, 
 
     paged_attention.prepare_step = counted
     try:
-        got = _run_cb(model, attn, prompts, args, device, graphs, asynchronous)
+        warm = make_prompts(args, model.config.vocab_size, seed=args.seed + 1) if args.warm_run else None
+        got = _run_cb(model, attn, prompts, args, device, graphs, asynchronous, warm, measure)
         if steps["steps"]:
             got["setup"].update(steps)
         if split is not None:
@@ -147,6 +166,7 @@ def run_cb(model, attn, prompts, args, device, sdpa_prefill=False, graphs=True, 
     finally:
         ragged.supported_dims, paged_attention.graph_pays, paged_attention.prepare_step = supported, pays, prepare
         paged_cache.ROWS_FROM_BLOCK_TABLES = paged_attention.SPARSE_CHUNKS_ABSORBED = True
+        paged_indexer.SCORES_OVER_OWN_ROWS = True
         if loop is not None:
             loop.uninstall()
 
@@ -169,7 +189,8 @@ def produced_by_running(manager, running) -> list[tuple[str, int, list[float]]]:
             if r in states and states[r].generated_tokens]
 
 
-def _run_cb(model, attn, prompts, args, device, graphs: bool, asynchronous: bool | None = None) -> dict:
+def _run_cb(model, attn, prompts, args, device, graphs: bool, asynchronous: bool | None = None, warm=None,
+            measure=lambda: None) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model.set_attn_implementation(attn)
@@ -186,6 +207,18 @@ def _run_cb(model, attn, prompts, args, device, graphs: bool, asynchronous: bool
     setup = {"attn_implementation": model.config._attn_implementation,
              "cuda_graphs": list(resolved.cuda_graph_booleans), "async_batching": bool(resolved.use_async_batching)}
     manager.start()
+    if warm:  # (untimed, through the same manager: its graphs are captured here, at the timed pass's shapes)
+        left = {manager.add_request(p, max_new_tokens=args.new) for p in warm}
+        while left:
+            out = manager.get_result(timeout=1.0)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("the continuous batching loop stopped in the warm pass")
+            elif out.error is not None:
+                raise RuntimeError(f"the warm pass's request {out.request_id} failed: {out.error}")
+            elif out.is_finished():
+                left.discard(out.request_id)
+    measure()
     ttft, itl, tokens = [], [], 0
     arrivals, arrived, ids = arrival_times(args), {}, []
     try:
@@ -305,8 +338,10 @@ def run(mode, model, prompts, args, device) -> dict:
     prefill_ab, graphs = attn.endswith("-sdpa-prefill"), not attn.endswith("-no-graphs")
     mixed_graphs = not attn.endswith("-decode-graphs")
     token_indices, sparse_expanded = attn.endswith("-token-indices"), attn.endswith("-sparse-expanded")
+    indexer_forward = attn.endswith("-indexer-forward")
     asynchronous = False if attn.endswith(("-sync", "-token-indices")) else None
-    for suffix in ("-sdpa-prefill", "-no-graphs", "-decode-graphs", "-sync", "-token-indices", "-sparse-expanded"):
+    for suffix in ("-sdpa-prefill", "-no-graphs", "-decode-graphs", "-sync", "-token-indices", "-sparse-expanded",
+                   "-indexer-forward"):
         attn = attn.removesuffix(suffix)
     why = unpageable(attn) if kind == "cb" else None
     if why:
@@ -318,7 +353,7 @@ def run(mode, model, prompts, args, device) -> dict:
         if kind == "cb":
             got = run_cb(model, attn, prompts, args, device, sdpa_prefill=prefill_ab, graphs=graphs,
                          mixed_graphs=mixed_graphs, asynchronous=asynchronous, token_indices=token_indices,
-                         sparse_expanded=sparse_expanded)
+                         sparse_expanded=sparse_expanded, indexer_forward=indexer_forward)
             rec.update(got["setup"])
         else:
             got = run_static(model, attn, prompts, args, device)
@@ -379,6 +414,10 @@ def parse_args(argv=None):
                    help="cb flashinfer_mla modes: each step's wall time split into Transformers' scheduling and batch "
                         "preparation, the package's step plan, the forward, the wait for the GPU and the request "
                         "updates, timed on the generation thread, with the step's GPU span (loop_split.py)")
+    p.add_argument("--warm-run", action="store_true",
+                   help="cb modes: run the load once untimed first, through the same manager (prompts of the same "
+                        "lengths, other tokens), so that the timed pass replays graphs captured before it; with "
+                        "--step-split its graphed steps are profiled too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
     p.add_argument("--device", default="cuda")
@@ -417,6 +456,10 @@ def main(argv=None) -> int:
             bound = "none" if split["graph_bound"] is None else f"{split['graph_bound']:.3f}x"
             print(f"    uncompiled steps' host share {split['saveable_s']:.2f} s of "
                   f"{split['wall_s_without_profiler']:.2f} s: graphs for them gain at most {bound}", flush=True)
+            for kind, top in split["top_kernels_s"].items():
+                n = split["kinds"][kind]["steps"]
+                print(f"    {kind}: top kernels, ms per step: " + "; ".join(
+                    f"{1e3 * t / n:.3f} {name[:90]}" for name, t in top[:8]), flush=True)
         if rec.get("loop_split"):
             for kind, r in rec["loop_split"]["kinds"].items():
                 phases = ", ".join(f"{p} {ms:.2f}" for p, ms in r["phases_ms"].items())

@@ -160,3 +160,35 @@ def test_v32_bounds_catch_a_wrong_selection(v32, monkeypatch):
     assert len(faulted) == 64 * model.config.num_hidden_layers
     print(f"v3.2 control (most recent positions instead of the selection): rel {wrong[0]:.2e} top1 {wrong[1]:.3f}")
     assert not bounds.holds(*wrong)
+
+
+def test_index_scores_kernel_matches_the_pytorch_path():
+    """The indexer's scores over each token's own paged rows (``kernels/index_scores.py``) at DeepSeek-V3.2's
+    indexer shape (64 heads of 128, bf16): the Triton kernel on CUDA against the same math in PyTorch, on a graph's
+    padded decode step (tokens of one row among tokens of thousands, lengths ending mid-block, keys strided as the
+    paged cache holds them) and on a prefill chunk's causal rows. The scores agree to float32 rounding of their
+    sums; their top-2048 sets agree but for near-ties. Without CUDA (or Triton) both calls take the PyTorch path."""
+    from hf_flashinfer_mla.kernels import index_scores
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    n, d = 40000, 128
+    keys = torch.randn(n, 5 * d, device=DEV, generator=g).to(torch.bfloat16)[:, 2 * d : 3 * d]
+    rows = torch.randperm(n, device=DEV, generator=g)
+    decode = torch.tensor([5000, 1, 8191, 2047, 1, 300, 16384, 1], device=DEV)
+    chunk = torch.arange(600, 1112, device=DEV)  # a 512-token chunk after 600 cached rows
+    for lens, first, width in ((decode, torch.arange(8, device=DEV) * 2000, 16384),
+                               (chunk, torch.full_like(chunk, 7000), 1111)):
+        t = lens.numel()
+        q = torch.randn(t, 64, d, device=DEV, generator=g).to(torch.bfloat16)
+        w = torch.randn(t, 64, device=DEV, generator=g) / 8
+        got = index_scores.scores(q, w, keys, rows, first, lens, width, d**-0.5)
+        want = index_scores.scores(q, w, keys, rows, first, lens, width, d**-0.5, kernel=False)
+        seen = torch.arange(width, device=DEV) < lens[:, None]
+        assert torch.equal(got.isfinite(), seen) and torch.equal(want.isfinite(), seen)
+        assert (got[seen] - want[seen]).abs().max().item() <= 1e-5 * want[seen].abs().max().item()
+        k = min(2048, width)
+        a, b = got.topk(k, dim=-1).indices, want.topk(k, dim=-1).indices
+        same = torch.stack([torch.isin(a[i], b[i]).float().mean() for i in range(t)])
+        assert same.min().item() >= 0.99, same
+    if CUDA and index_scores.triton is not None:
+        assert index_scores.kernel_serves(q, keys)
