@@ -408,8 +408,8 @@ def parse_args(argv=None):
                         "next step past the limit, a prefill in progress runs to its end")
     p.add_argument("--step-split", action="store_true",
                    help="cb flashinfer_mla modes: time every step (device synchronized at its ends) and profile the "
-                        "uncompiled ones' GPU-busy time; report per kind of step and the bound on what CUDA graphs for "
-                        "them could gain (step_split.py)")
+                        "uncompiled ones' GPU-busy time (with --warm-run, the graphed ones' too); report per kind of "
+                        "step, its top kernels and the bound on what CUDA graphs for them could gain (step_split.py)")
     p.add_argument("--loop-split", action="store_true",
                    help="cb flashinfer_mla modes: each step's wall time split into Transformers' scheduling and batch "
                         "preparation, the package's step plan, the forward, the wait for the GPU and the request "
