@@ -47,6 +47,8 @@ also the attention, CUDA graphs (varlen, decode) and asynchronous batching the m
 flashinfer_mla its steps: all, in graphs, and in graphs with prefill chunks. With `--time-limit S` a mode that has not
 finished by S seconds stops there (status time-limit): the requests finished, the tokens produced by then (unfinished
 requests' included) over its wall time, and the latencies of those tokens (TTFT over the requests that had one).
+With `--warm-run` each mode is timed in its steady state: after an untimed pass at the same prompt lengths (graphs
+captured, kernels compiled and loaded, memory pools grown), which a cold start pays within its timed pass.
 
     python scripts/bench_serving.py --model deepseek-v2-lite --out bench_out
     python scripts/bench_serving.py --model deepseek-v3-attn --out bench_out
@@ -287,6 +289,9 @@ class StepTimes:
 
 def run_static(model, attn, prompts, args, device) -> dict:
     model.set_attn_implementation(attn)
+    if args.warm_run:  # (untimed: one batch of other prompts of the first batch's lengths, its one-time costs paid)
+        warm = make_prompts(args, model.config.vocab_size, seed=args.seed + 1)[: args.static_batch]
+        _generate(model, warm, args, device, StepTimes(device), None)
     ttft, itl, tokens, finished = [], [], 0, 0
     t0 = time.perf_counter()
     with progress(len(prompts), f"generate-{attn}", args.progress) as bar:
@@ -295,20 +300,8 @@ def run_static(model, attn, prompts, args, device) -> dict:
             if left is not None and left <= 0:
                 break
             batch = prompts[start : start + args.static_batch]
-            width = max(len(p) for p in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, p in enumerate(batch):
-                ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
             steps = StepTimes(device)
-            chunked = {"prefill_chunk_size": args.prefill_chunk} if args.prefill_chunk else {}
-            # (max_time: generate() stops the batch in flight at the limit, checked after each step; a prefill in
-            # progress runs to its end)
-            limited = {"max_time": left} if left is not None else {}
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=args.new,
-                                 min_new_tokens=args.new, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 streamer=steps, **chunked, **limited)
-            new = out.shape[1] - width
+            new = _generate(model, batch, args, device, steps, left)
             tokens += new * len(batch)
             finished += len(batch) if new == args.new else 0
             stamps = steps.times[1:]  # after the prompt
@@ -318,6 +311,23 @@ def run_static(model, attn, prompts, args, device) -> dict:
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens": tokens, "ttft": ttft, "itl": itl, "finished_requests": finished,
             "cut": finished < len(prompts)}
+
+
+def _generate(model, batch: list[list[int]], args, device, steps: StepTimes, left: float | None) -> int:
+    """One left-padded static batch through generate(); the new tokens each request got."""
+    width = max(len(p) for p in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    chunked = {"prefill_chunk_size": args.prefill_chunk} if args.prefill_chunk else {}
+    # (max_time: generate() stops the batch in flight at the limit, checked after each step; a prefill in progress
+    # runs to its end)
+    limited = {"max_time": left} if left is not None else {}
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=args.new,
+                         min_new_tokens=args.new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         streamer=steps, **chunked, **limited)
+    return out.shape[1] - width
 
 
 def unpageable(attn: str) -> str | None:
@@ -415,9 +425,10 @@ def parse_args(argv=None):
                         "preparation, the package's step plan, the forward, the wait for the GPU and the request "
                         "updates, timed on the generation thread, with the step's GPU span (loop_split.py)")
     p.add_argument("--warm-run", action="store_true",
-                   help="cb modes: run the load once untimed first, through the same manager (prompts of the same "
-                        "lengths, other tokens), so that the timed pass replays graphs captured before it; with "
-                        "--step-split its graphed steps are profiled too")
+                   help="steady state: cb modes run the load once untimed first, through the same manager "
+                        "(prompts of the same lengths, other tokens), so that the timed pass replays graphs captured "
+                        "before it (with --step-split its graphed steps are profiled too); generate modes run one "
+                        "untimed batch of the first batch's lengths")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bc.DTYPES))
     p.add_argument("--device", default="cuda")

@@ -126,6 +126,30 @@ def test_step_split_counts_every_step_by_kind_and_merges_overlapping_gpu_interva
     assert got["saveable_s"] == pytest.approx(0.7) and got["graph_bound"] == pytest.approx(4.0 / 3.3, rel=1e-3)
 
 
+def test_warm_run_times_generate_after_an_untimed_batch_of_the_first_batchs_lengths_on_cpu(tmp_path, monkeypatch):
+    """``bench_serving.py --warm-run`` on a generate mode: one untimed batch first, of other prompts with the first
+    timed batch's lengths; the timed figures count the timed prompts' tokens only."""
+    import bench_serving
+
+    calls = []
+    generate = bench_serving._generate
+
+    def recorded(model, batch, *args):
+        calls.append([list(p) for p in batch])
+        return generate(model, batch, *args)
+
+    monkeypatch.setattr(bench_serving, "_generate", recorded)
+    args = ["--model", "tiny", "--requests", "5", "--prompt-min", "3", "--prompt-max", "9", "--new", "2",
+            "--static-batch", "4", "--no-progress", "--modes", "generate-flashinfer_mla", "--warm-run"]
+    assert bench_serving.main(args + CPU + ["--out", str(tmp_path)]) == 0
+    (r,) = json.loads((tmp_path / "serving_tiny.json").read_text())["results"]
+    vocab = bench_serving.bc.build_config("tiny", None).vocab_size
+    prompts = bench_serving.make_prompts(bench_serving.parse_args(args), vocab)
+    assert len(calls) == 3 and calls[1:] == [prompts[:4], prompts[4:]]  # (the warm batch, then the timed ones)
+    assert [len(p) for p in calls[0]] == [len(p) for p in prompts[:4]] and calls[0] != prompts[:4]
+    assert r["status"] == "ok" and r["output_tokens"] == 5 * 2 and r["finished_requests"] == 5
+
+
 def test_serving_within_a_time_limit_counts_what_finished_and_every_token_produced_on_cpu(tmp_path):
     """``bench_serving.py --time-limit``: a load that cannot finish in time ends each mode at the limit with status
     time-limit, the requests finished by then, and the tokens produced by then, with their latencies: under

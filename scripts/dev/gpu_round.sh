@@ -56,7 +56,8 @@
 #                                              # tokens: continuous batching against generate() on batches of 8
 #                                              # (flashinfer_mla and sdpa, prefill in chunks of 256), each within a
 #                                              # time limit; SPARSE="REQUESTS MIN MAX NEW LIMIT" sets the load and
-#                                              # the limit (64 4096 32768 256 120), SPARSE_MODES the modes
+#                                              # the limit (64 4096 32768 256 120), SPARSE_MODES the modes,
+#                                              # SPARSE_WARM=1 an untimed pass first (--warm-run)
 #   bash scripts/dev/gpu_round.sh sparse       # DeepSeek-V3.2's attention with its indexer: the eager-mode grid,
 #                                              # batch 1/8/32 x 8k-128k, then 160k at batch 32
 #   bash scripts/dev/gpu_round.sh fp8          # the FP8 latent cache against bf16 (bench_fp8_cache.py); FP8 weights
@@ -332,7 +333,7 @@ mode_serving_sparse() {
     run $((load[4] + 70)) python3 scripts/bench_serving.py --model deepseek-v32-attn --requests "${load[0]}" \
       --prompt-min "${load[1]}" --prompt-max "${load[2]}" --new "${load[3]}" --static-batch 8 --prefill-chunk 256 \
       --cb-max-batch-tokens 4096 --time-limit "${load[4]}" --no-progress --out "$D" --modes "$m" \
-      --name "serving_v32_$m.json"
+      ${SPARSE_WARM:+--warm-run} --name "serving_v32_$m.json"
   done
   show 40
 }
